@@ -1,0 +1,233 @@
+"""Public entry points: validation, defaults, state layout, qk L2 norm and packing around the core."""
+
+import torch
+import torch.nn.functional as F
+
+from flash_qla.autograd import ChunkGatedDeltaRuleFunction
+from flash_qla.dispatch import _backward, _forward
+from flash_qla.validation import check_backward_inputs, check_inputs, check_options
+
+
+def _default_scale(scale, q):
+    """K ** -0.5 unless given."""
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _pack(*tensors):
+    """[B, T, ...] -> [1, B * T, ...]: dense batch rows become packed sequences."""
+    return [x.flatten(0, 1).unsqueeze(0) for x in tensors]
+
+
+def _unpack(x, B, T):
+    """[1, B * T, ...] -> [B, T, ...]."""
+    return x.reshape(B, T, *x.shape[2:])
+
+
+def _packed_cu_seqlens(cu_seqlens, q):
+    """int32 [N + 1] boundaries; a dense batch is B sequences of length T."""
+    if cu_seqlens is None:
+        B, T = q.shape[:2]
+        return torch.arange(B + 1, dtype=torch.int32, device=q.device) * T
+    return cu_seqlens.to(torch.int32)
+
+
+def _state_in(state, state_v_first, q):
+    """User layout -> [N, Hv, K, V] in float32 (float64 for float64 inputs, PyTorch path only)."""
+    if state is None:
+        return None
+    return (state.transpose(-1, -2) if state_v_first else state).to(torch.promote_types(q.dtype, torch.float32))
+
+
+def _state_out(state, state_v_first):
+    """[N, Hv, K, V] -> user layout."""
+    if state is None or not state_v_first:
+        return state
+    return state.transpose(-1, -2)
+
+
+def _l2norm(x):
+    """L2-normalise over the last dim in float32 (float64 stays float64)."""
+    return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1, eps=1e-6).to(x.dtype)
+
+
+def chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    state_v_first=False,
+    auto_cp=True,
+    head_first=False,
+):
+    """Gated Delta Rule over whole sequences, differentiable.
+
+    Per sequence and value head, the state S [K, V] evolves token by token:
+    ``S = exp(g_t) S``; ``S += k_t (beta_t (v_t - S^T k_t))^T``; ``o_t = S^T (scale q_t)``.
+
+    Parameters
+    ----------
+    q, k : Tensor, [B, T, Hqk, K]
+        bfloat16, float16 or float32 (float64 on the PyTorch path); k has q's dtype.
+    v : Tensor, [B, T, Hv, V]
+        q's dtype. ``Hv % Hqk == 0``; value head h reads qk head ``h // (Hv // Hqk)``.
+    g : Tensor, [B, T, Hv]
+        Log-space decay per token (<= 0 for a decay), any float dtype, used in float32.
+    beta : Tensor, [B, T, Hv]
+        Any float dtype.
+    scale : float, optional
+        Multiplies q; defaults to ``K ** -0.5``.
+    initial_state : Tensor, [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), optional
+        Any float dtype, used in float32. Zeros when omitted.
+    output_final_state : bool
+        Return the state after each sequence's last token.
+    use_qk_l2norm_in_kernel : bool
+        L2-normalise q and k over K first (in float32, eps 1e-6; its backward is included).
+    cu_seqlens : Tensor, [N + 1], int32 or int64, optional
+        Boundaries of N sequences packed along T, which requires B == 1; zero-length
+        sequences are allowed (their state passes through). Read once on the host for
+        validation (a device sync on GPU). Without it every batch row is one sequence, N = B.
+    state_v_first : bool
+        States are laid out [N, Hv, V, K] instead of [N, Hv, K, V].
+    auto_cp : bool
+        Reserved: context-parallel planning; currently the sequence is never split.
+    head_first : bool
+        Must be False: [B, H, T, D] inputs are not supported.
+
+    Returns
+    -------
+    o : Tensor, [B, T, Hv, V], dtype of q.
+    final_state : Tensor, [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), float32
+        (float64 for float64 inputs); None unless output_final_state.
+
+    Differentiable in q, k, v, g, beta and initial_state.
+    """
+    check_options(head_first)
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    B, T = q.shape[:2]
+    o, final_state = ChunkGatedDeltaRuleFunction.apply(
+        *_pack(q, k, v, g, beta),
+        _default_scale(scale, q),
+        _state_in(initial_state, state_v_first, q),
+        _packed_cu_seqlens(cu_seqlens, q),
+        output_final_state,
+    )
+    return _unpack(o, B, T), _state_out(final_state, state_v_first)
+
+
+def chunk_gated_delta_rule_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    output_final_state=True,
+    output_h=False,
+    state_v_first=False,
+):
+    """Forward of the chunked Gated Delta Rule, returning what the backward needs. Not differentiable.
+
+    Sequences are split into chunks of 64 tokens, restarting at each sequence start (the
+    last chunk of a sequence may be shorter); NT is the number of chunks of all sequences.
+
+    Parameters
+    ----------
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first
+        As for chunk_gated_delta_rule; g is the raw gate.
+    output_final_state : bool
+        Return final_state.
+    output_h : bool
+        Return h.
+
+    Returns
+    -------
+    g_cum : Tensor, [B, T, Hv], float32
+        Chunk-local inclusive cumsum of g.
+    A : Tensor, [B, T, Hv, 64], dtype of q
+        Row t holds row ``t - chunk_start`` of its chunk's
+        ``(I + StrictLower(diag(beta) K K^T ⊙ Γ))^-1 diag(beta)``, ``Γ_ij = exp(γ_i - γ_j)``,
+        γ the chunk's g_cum; columns count from the chunk start; entries above the diagonal
+        and past the chunk's last token are 0.
+    o : Tensor, [B, T, Hv, V], dtype of q.
+    h : Tensor, [NT, Hv, K, V], float32, or None
+        The state at the start of each chunk, chunks of all sequences in order (a dense
+        batch has B * ceil(T / 64)); always K-first. None unless output_h.
+    final_state : Tensor, [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), float32, or None
+        None unless output_final_state.
+
+    float32 outputs are float64 for float64 inputs (PyTorch path only).
+    """
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    B, T = q.shape[:2]
+    with torch.no_grad():
+        g_cum, A, o, h, final_state = _forward(
+            *_pack(q, k, v, g, beta),
+            _default_scale(scale, q),
+            _state_in(initial_state, state_v_first, q),
+            _packed_cu_seqlens(cu_seqlens, q),
+            output_final_state,
+            output_h,
+        )
+    return _unpack(g_cum, B, T), _unpack(A, B, T), _unpack(o, B, T), h, _state_out(final_state, state_v_first)
+
+
+def chunk_gated_delta_rule_bwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A,
+    do,
+    dht=None,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    state_v_first=False,
+):
+    """Backward of chunk_gated_delta_rule_fwd.
+
+    Parameters
+    ----------
+    q, k, v, beta, scale, initial_state, cu_seqlens, state_v_first
+        As given to chunk_gated_delta_rule_fwd.
+    g : Tensor, [B, T, Hv]
+        The g_cum that chunk_gated_delta_rule_fwd returned (not the raw gate).
+    A : Tensor, [B, T, Hv, 64]
+        The A that chunk_gated_delta_rule_fwd returned. The PyTorch path recomputes the
+        forward instead and ignores it.
+    do : Tensor, [B, T, Hv, V]
+        Gradient of o.
+    dht : Tensor, [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), optional
+        Gradient of final_state; None counts as zero.
+
+    Returns
+    -------
+    dq, dk, dv, dbeta : Tensor
+        Shapes and dtypes of q, k, v, beta.
+    dg : Tensor, [B, T, Hv], dtype of g
+        Gradient w.r.t. the raw gate: the reverse chunk-local cumsum of the gradient w.r.t. g_cum.
+    dh0 : Tensor, layout of initial_state, float32 (float64 for float64 inputs), or None
+        None when initial_state is None.
+    """
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    check_backward_inputs(q, v, A, do, dht, cu_seqlens, state_v_first)
+    B, T = q.shape[:2]
+    dq, dk, dv, dbeta, dg, dh0 = _backward(
+        *_pack(q, k, v, g, beta, A, do),
+        _state_in(dht, state_v_first, q),
+        _default_scale(scale, q),
+        _state_in(initial_state, state_v_first, q),
+        _packed_cu_seqlens(cu_seqlens, q),
+    )
+    return (*(_unpack(x, B, T) for x in (dq, dk, dv, dbeta, dg)), _state_out(dh0, state_v_first))

@@ -1,0 +1,27 @@
+"""Autograd for chunk_gated_delta_rule: the core forward and backward of flash_qla.dispatch."""
+
+import torch
+
+from flash_qla.dispatch import _backward, _forward
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    """o, final_state from packed, validated inputs (see flash_qla.dispatch); saves A for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
+        g_cum, A, o, _, final_state = _forward(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, False
+        )
+        ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens)
+        ctx.scale = scale
+        ctx.g_dtype = g.dtype
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g_cum, beta, A, initial_state, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, dbeta, dg, dh0 = _backward(
+            q, k, v, g_cum, beta, A, do, dht, ctx.scale, initial_state, cu_seqlens
+        )
+        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None, dh0, None, None

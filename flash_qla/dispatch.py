@@ -1,0 +1,40 @@
+"""The one place that picks the implementation of the core forward and backward.
+
+Both functions take validated, packed inputs: q, k [1, T, Hqk, K]; v [1, T, Hv, V];
+g, beta [1, T, Hv]; cu_seqlens [N + 1] int32 (dense batches arrive as N = B sequences of
+length T); scale a float; states K-first [N, Hv, K, V] in float32 (float64 when q is
+float64), or None.
+
+For now both always run the PyTorch reference.
+"""
+
+from flash_qla.reference.chunked import chunk_gated_delta_rule_bwd_ref, chunk_gated_delta_rule_fwd_ref
+
+
+def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h):
+    """Core forward; g is the raw gate.
+
+    Returns
+    -------
+    g_cum : [1, T, Hv] float32, chunk-local inclusive cumsum of g.
+    A : [1, T, Hv, 64], dtype of q (see chunk_gated_delta_rule_fwd).
+    o : [1, T, Hv, V], dtype of q.
+    h : [NT, Hv, K, V] float32, state at the start of each chunk; None unless output_h.
+    final_state : [N, Hv, K, V] float32; None unless output_final_state.
+    """
+    return chunk_gated_delta_rule_fwd_ref(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h
+    )
+
+
+def _backward(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens):
+    """Core backward; g_cum and A are what _forward returned, do [1, T, Hv, V], dht [N, Hv, K, V] or None.
+
+    Returns
+    -------
+    dq, dk, dv, dbeta, dg, dh0
+        Each in its input's dtype; dg w.r.t. the raw gate g (the reverse chunk-local cumsum of
+        the gradient w.r.t. g_cum), in g_cum's dtype; dh0 None without initial_state.
+        The reference recomputes the forward and ignores A.
+    """
+    return chunk_gated_delta_rule_bwd_ref(q, k, v, g_cum, beta, do, dht, scale, initial_state, cu_seqlens)

@@ -1,0 +1,136 @@
+"""Input checks for the public API: each failure names the argument, what was expected and what came.
+
+Only check_cu_seqlens reads tensor values (cu_seqlens, once, to the host: a device sync on GPU);
+every other check looks at shapes, dtypes and devices only.
+"""
+
+import math
+
+import torch
+
+from flash_qla.reference.chunked import CHUNK_SIZE
+
+QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+CU_SEQLENS_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_tensor(name, x, layout):
+    """x is a tensor of len(layout) dims, layout like ("B", "T", "Hv")."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != len(layout):
+        raise ValueError(f"{name}: expected {len(layout)} dims [{', '.join(layout)}], got shape {tuple(x.shape)}")
+
+
+def _check_shape(name, x, layout, expected):
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(
+            f"{name}: expected shape [{', '.join(layout)}] = {tuple(expected)}, got {tuple(x.shape)}"
+        )
+
+
+def _check_float(name, x):
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point dtype, got {x.dtype}")
+
+
+def _check_device(name, x, device):
+    if x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got {x.device}")
+
+
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):
+    """Check the inputs every entry point shares; g may be the raw gate or g_cum."""
+    _check_tensor("q", q, ("B", "T", "Hqk", "K"))
+    _check_tensor("k", k, ("B", "T", "Hqk", "K"))
+    _check_tensor("v", v, ("B", "T", "Hv", "V"))
+    _check_tensor("g", g, ("B", "T", "Hv"))
+    _check_tensor("beta", beta, ("B", "T", "Hv"))
+
+    if q.dtype not in QKV_DTYPES:
+        raise TypeError(f"q: expected one of {', '.join(map(str, QKV_DTYPES))}, got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected the dtype of q, {q.dtype}, got {x.dtype}")
+    _check_float("g", g)
+    _check_float("beta", beta)
+
+    B, T, Hqk, K = q.shape
+    Hv, V = v.shape[2:]
+    for name, x in (("q", q), ("v", v)):
+        if 0 in x.shape:
+            raise ValueError(f"{name}: expected no empty dimension, got shape {tuple(x.shape)}")
+    _check_shape("k", k, ("B", "T", "Hqk", "K"), q.shape)
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v: expected [B, T] = {tuple(q.shape[:2])} as in q, got shape {tuple(v.shape)}")
+    if Hv % Hqk != 0:
+        raise ValueError(f"v: expected a head count Hv divisible by Hqk = {Hqk} (q's heads), got Hv = {Hv}")
+    _check_shape("g", g, ("B", "T", "Hv"), (B, T, Hv))
+    _check_shape("beta", beta, ("B", "T", "Hv"), (B, T, Hv))
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check_device(name, x, q.device)
+
+    if scale is not None:
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise TypeError(f"scale: expected None or a float, got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale: expected a finite value, got {scale}")
+
+    N = B
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, q)
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        check_state("initial_state", initial_state, q, N, Hv, K, V, state_v_first)
+
+
+def check_cu_seqlens(cu_seqlens, q):
+    """cu_seqlens [N + 1] int32/int64 on q's device, B == 1, 0 = c_0 <= c_1 <= ... <= c_N = T.
+
+    Reads the values to the host once: a device sync on GPU.
+    """
+    _check_tensor("cu_seqlens", cu_seqlens, ("N + 1",))
+    if cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
+        raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected at least 2 entries [0, ..., T], got {cu_seqlens.numel()}")
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens: expected batch size B == 1 with packed sequences, got B = {q.shape[0]}")
+    _check_device("cu_seqlens", cu_seqlens, q.device)
+    bounds = cu_seqlens.tolist()
+    T = q.shape[1]
+    if bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
+        shown = ", ".join(map(str, bounds[:16])) + (", ..." if len(bounds) > 16 else "")
+        raise ValueError(f"cu_seqlens: expected non-decreasing values from 0 to T = {T}, got [{shown}]")
+
+
+def check_state(name, state, q, N, Hv, K, V, state_v_first):
+    """A state [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), floating point, on q's device."""
+    layout = ("N", "Hv", "V", "K") if state_v_first else ("N", "Hv", "K", "V")
+    _check_tensor(name, state, layout)
+    _check_float(name, state)
+    _check_shape(name, state, layout, (N, Hv, V, K) if state_v_first else (N, Hv, K, V))
+    _check_device(name, state, q.device)
+
+
+def check_backward_inputs(q, v, A, do, dht, cu_seqlens, state_v_first):
+    """Check what the backward takes beyond check_inputs: A, do and dht."""
+    B, T, Hv, V = v.shape
+    K = q.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    for name, x, layout, shape in (
+        ("A", A, ("B", "T", "Hv", "64"), (B, T, Hv, CHUNK_SIZE)),
+        ("do", do, ("B", "T", "Hv", "V"), (B, T, Hv, V)),
+    ):
+        _check_tensor(name, x, layout)
+        _check_float(name, x)
+        _check_shape(name, x, layout, shape)
+        _check_device(name, x, q.device)
+    if dht is not None:
+        check_state("dht", dht, q, N, Hv, K, V, state_v_first)
+
+
+def check_options(head_first):
+    """Options of the high-level call that this library does not support."""
+    if head_first:
+        raise ValueError("head_first: expected False ([B, T, H, D] inputs), got True; transpose the inputs instead")

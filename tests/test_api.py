@@ -1,0 +1,249 @@
+"""The public API against the float64 token-by-token oracle, and the low-level tuples' definitions."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_qla import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from flash_qla.reference import CHUNK_SIZE, naive_recurrent_gated_delta_rule
+from helpers import CASES, FP64_REL, Case, chunk_bounds, randn_like, rel_err
+
+# Inputs in a low precision vs the float64 oracle on the same (rounded) inputs. The PyTorch path
+# computes in float32, so the error is the rounding of o and of each gradient to the input dtype
+# (2^-9 per element for bf16, 2^-11 for fp16): measured <= 2.7e-3 and 3.7e-4. In float32 the worst
+# measured is dg under strong decay, 3e-5 (γ cumulated to about -1000 in float32).
+LOW_PRECISION_REL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+GRAD_INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
+
+# Packed sequences of lengths 0, 1, 65 and 130 (6 chunks), GVA 2, K != V.
+VARLEN = Case("varlen-0-1-65-130-gva2", lengths=(0, 1, 65, 130), Hqk=1, Hv=2, K=16, V=32, initial_state=True)
+LAYOUTS = [Case("dense-B2-T150", B=2, T=150, Hqk=1, Hv=2, K=16, V=32, initial_state=True), VARLEN]
+
+
+def naive_like_api(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
+                   use_qk_l2norm_in_kernel=False, state_v_first=False):  # fmt: skip
+    """The oracle with the public API's options applied around it."""
+    if use_qk_l2norm_in_kernel:
+        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+    if state_v_first and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2)
+    o, final_state = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    return o, (final_state.transpose(-1, -2) if state_v_first else final_state)
+
+
+def outputs_and_grads(fn, x, **options):
+    """o, final_state and the gradients of every tensor input for seeded upstream gradients."""
+    leaves = {name: x[name].clone().requires_grad_() for name in GRAD_INPUTS if x[name] is not None}
+    o, final_state = fn(**{**x, **leaves}, **options)
+    do, dht = randn_like(o, seed=1), randn_like(final_state, seed=2)
+    grads = torch.autograd.grad([o, final_state], list(leaves.values()), [do, dht])
+    return {"o": o, "final_state": final_state, **{"d" + name: grad for name, grad in zip(leaves, grads)}}
+
+
+def api_with_final_state(**kwargs):
+    return chunk_gated_delta_rule(**kwargs, output_final_state=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_outputs_and_gradients_match_naive(case):
+    x = case.inputs()
+    got = outputs_and_grads(api_with_final_state, x)
+    expected = outputs_and_grads(naive_recurrent_gated_delta_rule, x)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert rel_err(got[name], expected[name]) <= FP64_REL, name
+
+
+OPTIONS = [
+    ("state-v-first", dict(state_v_first=True)),
+    ("qk-l2norm", dict(use_qk_l2norm_in_kernel=True)),
+    ("scale-0.3", dict(scale=0.3)),
+    ("all", dict(state_v_first=True, use_qk_l2norm_in_kernel=True, scale=0.3)),
+]
+
+
+@pytest.mark.parametrize("options", [o for _, o in OPTIONS], ids=[i for i, _ in OPTIONS])
+def test_options_match_naive(options):
+    x = VARLEN.inputs()
+    x["k"] = x["k"] * torch.linspace(0.5, 3, x["k"].shape[1], dtype=x["k"].dtype)[:, None, None]  # not unit norm
+    if options.get("state_v_first"):
+        x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
+    got = outputs_and_grads(api_with_final_state, x, **options)
+    expected = outputs_and_grads(naive_like_api, x, **options)
+    for name in expected:
+        assert rel_err(got[name], expected[name]) <= FP64_REL, name
+    if options.get("state_v_first"):
+        assert got["final_state"].shape == (VARLEN.N, VARLEN.Hv, VARLEN.V, VARLEN.K)
+
+
+@pytest.mark.parametrize("dtype", list(LOW_PRECISION_REL), ids=str)
+def test_low_precision_inputs_match_naive(dtype):
+    x = VARLEN.inputs(dtype)
+    x["initial_state"] = x["initial_state"].to(dtype)  # any float dtype, used in float32
+    got = outputs_and_grads(api_with_final_state, x)
+    x64 = {name: t.double() if t is not None and t.is_floating_point() else t for name, t in x.items()}
+    expected = outputs_and_grads(naive_recurrent_gated_delta_rule, x64)
+    for name in expected:
+        assert rel_err(got[name], expected[name]) <= LOW_PRECISION_REL[dtype], name
+    assert got["o"].dtype == dtype and got["final_state"].dtype == torch.float32
+    for name in GRAD_INPUTS:
+        assert got["d" + name].dtype == x[name].dtype, name
+
+
+def test_varlen_equals_a_loop_over_sequences():
+    lengths = (0, 1, 65, 130, 0, 7)
+    x = Case("varlen", lengths=lengths, Hqk=1, Hv=2, initial_state=True).inputs()
+    o, final_state = chunk_gated_delta_rule(**x, output_final_state=True)
+    bounds = x.pop("cu_seqlens").tolist()
+    h0 = x.pop("initial_state")
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if bos == eos:  # an empty sequence passes its state through
+            assert torch.equal(final_state[n], h0[n])
+            continue
+        seq = {name: t[:, bos:eos] for name, t in x.items()}
+        o_n, final_n = chunk_gated_delta_rule(**seq, initial_state=h0[n : n + 1], output_final_state=True)
+        assert rel_err(o[:, bos:eos], o_n) <= FP64_REL
+        assert rel_err(final_state[n : n + 1], final_n) <= FP64_REL
+
+
+def test_fla_keyword_call():
+    """fla-core 0.6.0 calls the backend with exactly these keywords."""
+    x = VARLEN.inputs()
+    o, final_state = chunk_gated_delta_rule(
+        q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], scale=None,
+        initial_state=x["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=False,
+        state_v_first=False, cu_seqlens=x["cu_seqlens"], auto_cp=True,
+    )  # fmt: skip
+    o_ref, final_ref = naive_recurrent_gated_delta_rule(**x)
+    assert rel_err(o, o_ref) <= FP64_REL and rel_err(final_state, final_ref) <= FP64_REL
+
+
+def test_no_final_state_unless_asked_and_auto_cp_changes_nothing():
+    x = VARLEN.inputs()
+    o, final_state = chunk_gated_delta_rule(**x)
+    assert final_state is None
+    o_no_cp, _ = chunk_gated_delta_rule(**x, auto_cp=False)
+    assert torch.equal(o, o_no_cp)
+
+
+# Low-level forward: shapes and dtypes, and h, A, g_cum checked against their definitions.
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: c.id)
+def test_fwd_shapes_and_dtypes(case, dtype):
+    x = case.inputs(dtype)
+    for name in GRAD_INPUTS:
+        x[name].requires_grad_()  # the low-level forward still returns plain tensors
+    B, T = x["q"].shape[:2]
+    NT = sum(math.ceil(n / CHUNK_SIZE) for n in case.sequence_lengths)
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    expected = {
+        "g_cum": ((B, T, case.Hv), state_dtype),
+        "A": ((B, T, case.Hv, CHUNK_SIZE), dtype),
+        "o": ((B, T, case.Hv, case.V), dtype),
+        "h": ((NT, case.Hv, case.K, case.V), state_dtype),
+        "final_state": ((case.N, case.Hv, case.K, case.V), state_dtype),
+    }
+    outputs = dict(zip(expected, chunk_gated_delta_rule_fwd(**x, output_h=True)))
+    for name, (shape, out_dtype) in expected.items():
+        assert (outputs[name].shape, outputs[name].dtype) == (shape, out_dtype), name
+        assert not outputs[name].requires_grad, name
+
+    _, _, _, h, final_state = chunk_gated_delta_rule_fwd(**x, output_final_state=False)
+    assert h is None and final_state is None
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: c.id)
+def test_fwd_g_cum_A_and_h_follow_their_definitions(case):
+    x = case.inputs()
+    g_cum, A, o, h, final_state = chunk_gated_delta_rule_fwd(**x, output_h=True)
+    flat = {name: t.flatten(0, 1) for name, t in x.items() if name not in ("cu_seqlens", "initial_state")}
+    group = case.Hv // case.Hqk
+    starts = {}  # sequence -> its first token
+    for chunk, (n, start, end) in enumerate(chunk_bounds(case.sequence_lengths, CHUNK_SIZE)):
+        starts.setdefault(n, start)
+        L = end - start
+        gamma = flat["g"][start:end].cumsum(0)  # [L, Hv]
+        torch.testing.assert_close(g_cum.flatten(0, 1)[start:end], gamma)
+
+        # A = (I + StrictLower(diag(beta) K K^T ⊙ Γ))^-1 diag(beta), per head, zero past L.
+        for head in range(case.Hv):
+            k = flat["k"][start:end, head // group]  # [L, K]
+            beta, gam = flat["beta"][start:end, head], gamma[:, head]
+            Gamma = (gam[:, None] - gam[None, :]).exp()
+            M = torch.eye(L, dtype=k.dtype) + torch.tril(beta[:, None] * (k @ k.T) * Gamma, -1)
+            expected = torch.zeros(L, CHUNK_SIZE, dtype=k.dtype)
+            expected[:, :L] = torch.linalg.inv(M) @ torch.diag(beta)
+            assert rel_err(A.flatten(0, 1)[start:end, head], expected) <= FP64_REL
+
+        # h: the state after the sequence's tokens before this chunk.
+        before = slice(starts[n], start)
+        h0 = x["initial_state"][n : n + 1]
+        if before.start == before.stop:
+            expected_h = h0
+        else:
+            prefix = {name: t[None, before] for name, t in flat.items()}
+            _, expected_h = naive_recurrent_gated_delta_rule(**prefix, initial_state=h0)
+        assert rel_err(h[chunk], expected_h[0]) <= FP64_REL
+    assert chunk + 1 == h.shape[0]
+
+
+# Low-level backward.
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: c.id)
+def test_bwd_matches_autograd_through_naive_wrt_raw_g(case):
+    x = case.inputs()
+    g_cum, A, o, _, final_state = chunk_gated_delta_rule_fwd(**x)
+    do, dht = randn_like(o, seed=1), randn_like(final_state, seed=2)
+    grads = chunk_gated_delta_rule_bwd(
+        x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht,
+        initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"],
+    )  # fmt: skip
+    names = ("q", "k", "v", "beta", "g", "initial_state")
+    leaves = {name: x[name].clone().requires_grad_() for name in names}
+    o_ref, final_ref = naive_recurrent_gated_delta_rule(**{**x, **leaves})
+    expected = torch.autograd.grad([o_ref, final_ref], list(leaves.values()), [do, dht])
+    for name, got, want in zip(names, grads, expected):
+        assert got.shape == want.shape, name
+        assert rel_err(got, want) <= FP64_REL, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bwd_dtypes_and_optional_states(dtype):
+    x = VARLEN.inputs(dtype)
+    g_cum, A, o, _, final_state = chunk_gated_delta_rule_fwd(**x)
+    args = (x["q"], x["k"], x["v"], g_cum, x["beta"], A, randn_like(o))
+    dq, dk, dv, dbeta, dg, dh0 = chunk_gated_delta_rule_bwd(
+        *args, initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"]
+    )
+    assert (dq.dtype, dk.dtype, dv.dtype, dbeta.dtype) == (dtype,) * 4
+    assert dg.dtype == dh0.dtype == torch.float32
+
+    # dht=None counts as zero; without initial_state there is no dh0.
+    with_zero_dht = chunk_gated_delta_rule_bwd(
+        *args, torch.zeros_like(final_state), initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"]
+    )
+    for got, want in zip((dq, dk, dv, dbeta, dg, dh0), with_zero_dht):
+        torch.testing.assert_close(got, want)
+    assert chunk_gated_delta_rule_bwd(*args, cu_seqlens=x["cu_seqlens"])[-1] is None
+
+
+def test_bwd_state_v_first_and_empty_sequences():
+    x = VARLEN.inputs()
+    g_cum, A, o, _, final_state = chunk_gated_delta_rule_fwd(**x)
+    args = (x["q"], x["k"], x["v"], g_cum, x["beta"], A, randn_like(o, seed=1))
+    dht = randn_like(final_state, seed=2)
+    k_first = chunk_gated_delta_rule_bwd(*args, dht, initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"])
+    v_first = chunk_gated_delta_rule_bwd(
+        *args, dht.transpose(-1, -2), initial_state=x["initial_state"].transpose(-1, -2),
+        cu_seqlens=x["cu_seqlens"], state_v_first=True,
+    )  # fmt: skip
+    for got, want in zip(v_first[:-1], k_first[:-1]):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(v_first[-1], k_first[-1].transpose(-1, -2))
+    assert torch.equal(k_first[-1][0], dht[0])  # sequence 0 is empty: its state passes through

@@ -1,0 +1,84 @@
+"""The references checked against each other: chunked WY form vs token-by-token recurrence, float64."""
+
+import pytest
+import torch
+
+from flash_qla.reference import (
+    CHUNK_SIZE,
+    chunk_gated_delta_rule_bwd_ref,
+    chunk_gated_delta_rule_fwd_ref,
+    chunk_local_cumsum,
+    make_inputs,
+    naive_recurrent_gated_delta_rule,
+)
+from helpers import CASES, FP64_REL, chunk_bounds, cu_seqlens_of, randn_like, rel_err
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_chunked_forward_matches_naive(case):
+    x = case.inputs()
+    _, _, o, _, final_state = chunk_gated_delta_rule_fwd_ref(**x)
+    o_ref, final_ref = naive_recurrent_gated_delta_rule(**x)
+    assert rel_err(o, o_ref) <= FP64_REL
+    assert rel_err(final_state, final_ref) <= FP64_REL
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_chunked_backward_matches_autograd_through_naive(case):
+    x = case.inputs()
+    g_cum, _, o, _, final_state = chunk_gated_delta_rule_fwd_ref(**x)
+    do, dht = randn_like(o, seed=1), randn_like(final_state, seed=2)
+    grads = chunk_gated_delta_rule_bwd_ref(
+        x["q"], x["k"], x["v"], g_cum, x["beta"], do, dht,
+        initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"],
+    )  # fmt: skip
+
+    names = ["q", "k", "v", "beta", "g"] + (["initial_state"] if case.initial_state else [])
+    leaves = {name: x[name].clone().requires_grad_() for name in names}
+    o_ref, final_ref = naive_recurrent_gated_delta_rule(**{**x, **leaves})
+    expected = torch.autograd.grad([o_ref, final_ref], list(leaves.values()), [do, dht])
+    for name, got, want in zip(names, grads, expected):
+        assert rel_err(got, want) <= FP64_REL, name
+
+
+@pytest.mark.parametrize("lengths", [(200,), (0, 1, 65, 130), (64, 64, 0)], ids=lambda x: "-".join(map(str, x)))
+def test_chunk_local_cumsum_restarts_at_every_chunk_and_sequence(lengths):
+    g = torch.randn(1, sum(lengths), 3, dtype=torch.float64)
+    forward, backward = torch.empty_like(g), torch.empty_like(g)
+    for _, start, end in chunk_bounds(lengths, CHUNK_SIZE):
+        forward[:, start:end] = g[:, start:end].cumsum(1)
+        backward[:, start:end] = g[:, start:end].flip(1).cumsum(1).flip(1)
+    cu_seqlens = cu_seqlens_of(lengths)
+    torch.testing.assert_close(chunk_local_cumsum(g, cu_seqlens), forward)
+    torch.testing.assert_close(chunk_local_cumsum(g, cu_seqlens, reverse=True), backward)
+
+
+def test_chunk_local_cumsum_dense_rows_are_sequences():
+    g = torch.randn(2, 150, 3, dtype=torch.float64)
+    packed = chunk_local_cumsum(g.view(1, 300, 3), cu_seqlens_of([150, 150]))
+    torch.testing.assert_close(chunk_local_cumsum(g), packed.view(2, 150, 3))
+
+
+def test_naive_value_head_reads_qk_head_h_div_group():
+    Hqk, Hv = 2, 6
+    x = make_inputs(1, 40, Hqk, Hv, 8, 8, torch.float64)
+    o, final_state = naive_recurrent_gated_delta_rule(**x)
+    for h in range(Hv):
+        qk_head = [h // (Hv // Hqk)]
+        o_h, final_h = naive_recurrent_gated_delta_rule(
+            x["q"][:, :, qk_head], x["k"][:, :, qk_head],
+            x["v"][:, :, [h]], x["g"][:, :, [h]], x["beta"][:, :, [h]],
+        )  # fmt: skip
+        torch.testing.assert_close(o[:, :, [h]], o_h)
+        torch.testing.assert_close(final_state[:, [h]], final_h)
+
+
+@pytest.mark.parametrize("strong_decay", [False, True], ids=["model-decay", "strong-decay"])
+def test_make_inputs_look_like_a_model(strong_decay):
+    x = make_inputs(2, 50, 2, 4, 16, 32, torch.bfloat16, strong_decay=strong_decay)
+    assert x["q"].dtype == x["k"].dtype == x["v"].dtype == x["beta"].dtype == torch.bfloat16
+    assert x["g"].dtype == torch.float32
+    torch.testing.assert_close(x["k"].float().norm(dim=-1), torch.ones(2, 50, 2), atol=1e-2, rtol=0)
+    assert ((x["beta"] > 0) & (x["beta"] < 1)).all()
+    assert (x["g"] < 0).all()
+    assert (x["g"].median() < -1) == strong_decay

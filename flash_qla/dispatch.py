@@ -5,7 +5,10 @@ g, beta [1, T, Hv]; cu_seqlens [N + 1] int32 (dense batches arrive as N = B sequ
 length T); scale a float; states K-first [N, Hv, K, V] in float32 (float64 when q is
 float64), or None.
 
-For now both always run the PyTorch reference.
+CPU tensors run the PyTorch reference. CUDA tensors run the TileLang kernels of the
+device's architecture (flash_qla.arch); the backward has no kernels yet and runs the
+reference on the GPU. CUDA inputs the kernels cannot take raise, rather than silently
+taking a path hundreds of times slower.
 """
 
 from flash_qla.reference.chunked import chunk_gated_delta_rule_bwd_ref, chunk_gated_delta_rule_fwd_ref
@@ -22,6 +25,13 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_st
     h : [NT, Hv, K, V] float32, state at the start of each chunk; None unless output_h.
     final_state : [N, Hv, K, V] float32; None unless output_final_state.
     """
+    if q.is_cuda:
+        from flash_qla.ops.forward import forward_kernels, kernel_unsupported_reason
+
+        reason = kernel_unsupported_reason(q, v)
+        if reason is not None:
+            raise ValueError(f"q: {reason}")
+        return forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h)
     return chunk_gated_delta_rule_fwd_ref(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h
     )

@@ -1,7 +1,8 @@
 """Input checks for the public API: each failure names the argument, what was expected and what came.
 
-Only check_cu_seqlens reads tensor values (cu_seqlens, once, to the host: a device sync on GPU);
-every other check looks at shapes, dtypes and devices only.
+Only check_cu_seqlens reads tensor values (cu_seqlens, to the host: a device sync on GPU), and
+it remembers the last tensor it passed, so the layers of one step that share a cu_seqlens
+tensor pay that sync once; every other check looks at shapes, dtypes and devices only.
 """
 
 import math
@@ -9,6 +10,7 @@ import math
 import torch
 
 from flash_qla.reference.chunked import CHUNK_SIZE
+from flash_qla.tensor_cache import cache_last
 
 QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 CU_SEQLENS_DTYPES = (torch.int32, torch.int64)
@@ -87,7 +89,8 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_fir
 def check_cu_seqlens(cu_seqlens, q):
     """cu_seqlens [N + 1] int32/int64 on q's device, B == 1, 0 = c_0 <= c_1 <= ... <= c_N = T.
 
-    Reads the values to the host once: a device sync on GPU.
+    Reads the values to the host (a device sync on GPU) unless this very tensor, unmodified,
+    passed last time against the same T.
     """
     _check_tensor("cu_seqlens", cu_seqlens, ("N + 1",))
     if cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
@@ -97,8 +100,12 @@ def check_cu_seqlens(cu_seqlens, q):
     if q.shape[0] != 1:
         raise ValueError(f"cu_seqlens: expected batch size B == 1 with packed sequences, got B = {q.shape[0]}")
     _check_device("cu_seqlens", cu_seqlens, q.device)
+    _check_cu_seqlens_values(cu_seqlens, q.shape[1])
+
+
+@cache_last
+def _check_cu_seqlens_values(cu_seqlens, T):
     bounds = cu_seqlens.tolist()
-    T = q.shape[1]
     if bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
         shown = ", ".join(map(str, bounds[:16])) + (", ..." if len(bounds) > 16 else "")
         raise ValueError(f"cu_seqlens: expected non-decreasing values from 0 to T = {T}, got [{shown}]")

@@ -9,6 +9,7 @@ import torch
 
 from flash_qla import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flash_qla.reference import CHUNK_SIZE
+from flash_qla.reference.inputs import make_inputs
 
 B, T, HQK, HV, K, V = 2, 10, 2, 4, 8, 4  # K != V, so a swapped state layout is caught
 
@@ -191,3 +192,14 @@ def test_unknown_keyword_is_rejected():
     x = valid_inputs(varlen=False)
     with pytest.raises(TypeError, match="unexpected keyword argument 'chunk_size'"):
         chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64)
+
+
+def test_cu_seqlens_recheck_after_in_place_change():
+    """The last valid cu_seqlens is remembered; an in-place edit is seen and checked again."""
+    x = make_inputs(1, 10, 1, 1, 4, 4, dtype=torch.float32)
+    cu = torch.tensor([0, 4, 10])
+    chunk_gated_delta_rule(**x, cu_seqlens=cu)
+    chunk_gated_delta_rule(**x, cu_seqlens=cu)  # cached: same tensor, same version
+    cu[1] = 11
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        chunk_gated_delta_rule(**x, cu_seqlens=cu)

@@ -1,0 +1,71 @@
+"""Architecture dispatch: the device's compute capability -> a kernel profile.
+
+One table maps the major/minor compute capability to a frozen :class:`ArchProfile`
+that every kernel stage reads (chunk size, threads, pipeline depth, TileLang
+target). Detection happens at call time, never at import; ``FLASH_QLA_ARCH``
+(``sm90``, ...) overrides it for tests and ahead-of-time compilation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ArchProfile:
+    """Kernel configuration shared by all stages on one architecture."""
+
+    name: str  # short name used on the command line, e.g. "sm90"
+    arch: str  # TileLang/NVCC arch, e.g. "sm_90a"
+    chunk: int  # tokens per chunk (C)
+    threads: int  # threads per block of the chunk-parallel stages
+    fused_threads: int  # consumer threads of the fused kernels (a producer warpgroup is added)
+    num_stages: int  # depth of the shared-memory ring in the fused kernels
+    num_sms: int  # multiprocessors of the reference part (V-tile choice)
+
+    @property
+    def target(self) -> dict:
+        """The TileLang target: built identically here and in precompile."""
+        return {"kind": "cuda", "arch": self.arch}
+
+
+SM90 = ArchProfile(
+    name="sm90", arch="sm_90a", chunk=64, threads=128, fused_threads=256, num_stages=2, num_sms=132
+)
+
+# compute capability -> profile; SM100 / SM120 are added here as new profiles.
+PROFILES = {(9, 0): SM90}
+BY_NAME = {p.name: p for p in PROFILES.values()}
+
+
+def profile_by_name(name: str) -> ArchProfile:
+    if name not in BY_NAME:
+        raise ValueError(f"unknown arch {name!r}: expected one of {sorted(BY_NAME)}")
+    return BY_NAME[name]
+
+
+def unsupported_reason(device: torch.device) -> str | None:
+    """Why the kernels cannot run on ``device``, or None when they can."""
+    if device.type != "cuda":
+        return f"kernels need a CUDA device, got {device.type!r}"
+    if os.environ.get("FLASH_QLA_ARCH"):
+        profile_by_name(os.environ["FLASH_QLA_ARCH"])
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    if cap not in PROFILES:
+        supported = ", ".join(f"sm_{a}{b}" for a, b in PROFILES)
+        return f"no flash_qla kernels for compute capability {cap[0]}.{cap[1]} (supported: {supported})"
+    return None
+
+
+def get_profile(device: torch.device) -> ArchProfile:
+    """The profile for ``device``; raises RuntimeError naming the capability if unsupported."""
+    reason = unsupported_reason(device)
+    if reason is not None:
+        raise RuntimeError(reason)
+    if os.environ.get("FLASH_QLA_ARCH"):
+        return profile_by_name(os.environ["FLASH_QLA_ARCH"])
+    return PROFILES[torch.cuda.get_device_capability(device)]

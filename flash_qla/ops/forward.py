@@ -1,0 +1,118 @@
+"""Forward orchestration on the GPU: kkt_solve (with the gate cumsum) then fused_fwd.
+
+Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk over the
+chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
+asked, the per-chunk states h.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_qla.arch import ArchProfile, get_profile
+from flash_qla.ops.fused_fwd import fused_fwd_kernel
+from flash_qla.ops.kkt_solve import kkt_solve_kernel
+from flash_qla.tensor_cache import cache_last
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_HEAD_DIMS = ((128, 128),)
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def kernel_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernels cannot run these (validated) inputs, or None."""
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"the GPU kernels take bfloat16 or float16 q/k/v, got {q.dtype}"
+    if (q.shape[-1], v.shape[-1]) not in SUPPORTED_HEAD_DIMS:
+        return f"the GPU kernels support head dims (K, V) in {SUPPORTED_HEAD_DIMS}, got ({q.shape[-1]}, {v.shape[-1]})"
+    return None
+
+
+def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
+    """V-tile width of the fused kernels: as wide as possible while the grid fills the GPU.
+
+    Wide tiles recompute less (Q Kᵀ and the decayed copies are per tile); narrow tiles
+    give more independent recurrences when sequences x heads is small.
+    """
+    for bv in (64, 32):
+        if n_seqs * Hv * (V // bv) >= profile.num_sms:
+            return bv
+    return 32
+
+
+@cache_last
+def chunk_offsets_of(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[N+1] int32: index of each sequence's first chunk among all chunks (device-side, no sync)."""
+    n_chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
+    return torch.nn.functional.pad(torch.cumsum(n_chunks, 0), (1, 0)).to(torch.int32)
+
+
+def _new(shape, dtype, device) -> torch.Tensor:
+    """Allocate an output the kernels write in full (tests swap this for a NaN-poisoned fill)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_placeholders: dict = {}
+
+
+def _placeholder(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
+    """A state-shaped buffer passed where a kernel flag says the tensor is neither read nor written."""
+    key = (device, Hv, K, V)
+    if key not in _placeholders:
+        _placeholders[key] = torch.empty(1, Hv, K, V, dtype=torch.float32, device=device)
+    return _placeholders[key]
+
+
+def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h):
+    """The GPU forward; arguments and returns as flash_qla.dispatch._forward.
+
+    q, k [1, T, Hqk, K]; v [1, T, Hv, V]; g, beta [1, T, Hv]; cu_seqlens [N + 1] int32;
+    initial_state [N, Hv, K, V] float32 or None.
+    One host synchronisation remains, only when output_h is asked: the number of chunks
+    (sizes h) is read back from the device.
+    """
+    profile = get_profile(q.device)
+    C = profile.chunk
+    _, T, Hqk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.numel() - 1
+    dtype = DTYPE_NAMES[q.dtype]
+    q, k, v = (x[0].contiguous() for x in (q, k, v))
+    g = g[0].to(torch.float32).contiguous()
+    beta = beta[0].to(torch.float32).contiguous()
+    chunk_offsets = chunk_offsets_of(cu_seqlens, C)
+
+    slots = T // C + N  # upper bound of the number of chunks, known without a sync
+    g_cum = _new((T, Hv), torch.float32, q.device)
+    gamma = _new((Hv, slots, C), torch.float32, q.device)  # γ again, chunk-major, for the fused kernel
+    A = _new((T, Hv, C), q.dtype, q.device)
+    P = _new((T, Hv, C), q.dtype, q.device)  # Q Kᵀ ⊙ Γ ⊙ Lower
+    kkt_solve_kernel(Hqk, Hv, K, dtype, profile)(q, k, g, beta, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)
+
+    placeholder = _placeholder(q.device, Hv, K, V)
+    o = _new(v.shape, v.dtype, v.device)
+    final_state = _new((N, Hv, K, V), torch.float32, q.device)
+    h = None
+    if output_h:
+        h = _new((int(chunk_offsets[-1]), Hv, K, V), torch.float32, q.device)
+    h0 = initial_state.contiguous() if initial_state is not None else placeholder
+    BV = choose_block_v(N, Hv, V, profile)
+    fused = fused_fwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, output_h)
+    fused(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, o, final_state, h if output_h else placeholder, scale)
+    return (
+        g_cum[None],
+        A[None],
+        o[None],
+        h,
+        final_state if output_final_state else None,
+    )
+
+
+def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
+    """Every (factory, args) the forward can compile for one head layout and dtype."""
+    builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile))]
+    for bv in (64, 32):
+        for has_h0 in (False, True):
+            for store_h in (False, True):
+                builds.append((fused_fwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_h0, store_h)))
+    return builds

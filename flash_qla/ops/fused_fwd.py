@@ -1,0 +1,173 @@
+"""Fused chunked forward: the sequential walk over chunks producing o, h and the final state.
+
+Computes, for every (sequence n, v-head h, V-tile) and chunk c of 64 tokens, with
+γ = g_cum (chunk-local cumsum), γ_L = γ of the chunk's last valid token, S the state at
+the chunk's start (fp32, on chip for the whole walk) and P = Q Kᵀ ⊙ Γ ⊙ Lower (from
+kkt_solve):
+
+    v_new = A (V − diag(e^γ) K S)                     [C, BV]
+    O     = scale · (diag(e^γ) Q S + P v_new)         [C, BV]
+    S    <- e^{γ_L} S + Kᵀ diag(e^{γ_L − γ}) v_new
+
+Reformulations of DESIGN.md §1, each exact in real arithmetic:
+- v_new = u − w S with u = A V and w = A (K ⊙ e^γ) is A (V − (K ⊙ e^γ) S): A is applied
+  once, to a [C, BV] tile, instead of forming w ([C, C] x [C, K]) and u.
+- The gate factors are applied to the fp32 products, not to the bf16 operands: (Q ⊙ e^γ) S
+  = diag(e^γ) (Q S), likewise K S, and (K ⊙ e^{γ_L−γ})ᵀ v_new = Kᵀ (diag(e^{γ_L−γ}) v_new).
+  No [C, K] tile is rescaled per chunk (C·BV multiplies instead of 3·C·K), and the decayed
+  operands are not rounded to the input dtype.
+- P is computed once per chunk in kkt_solve, not once per V-tile here.
+Rounding: V − diag(e^γ) K S and v_new are rounded to the input dtype once each as
+tensor-core operands (the usual form rounds u, w and v_new).
+
+Inputs (packed varlen, T tokens in all; `cu_seqlens` [N+1] int32):
+    q, k     [T, Hqk, K]   input dtype; v-head h reads qk-head h // (Hv // Hqk)
+    v        [T, Hv, V]    input dtype
+    gamma    [Hv, NT, C]   fp32, chunk-local cumsum of g, chunk-major (kkt_solve; a TMA box
+                           must start 16-byte aligned, which token-major rows do not)
+    A, P     [T, Hv, C]    input dtype (kkt_solve)
+    chunk_offsets [N+1]    int32, first global chunk index of each sequence (for h)
+    h0       [N, Hv, K, V] fp32 (read when HAS_H0)
+Outputs:
+    o        [T, Hv, V]    input dtype
+    ht       [N, Hv, K, V] fp32 final state
+    h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H)
+
+Schedule: grid (V / BV, Hv, N), one block walks its sequence's chunks in order.
+T.Pipelined streams the q/k/v/A/P/γ tiles of the next chunks through a `num_stages`-deep
+shared-memory ring with TMA; on SM90 TileLang splits the block into a producer
+warpgroup (TMA issue, mbarrier waits) and `fused_threads / 128` consumer warpgroups
+that run every product with wgmma into fp32 register accumulators. S stays in
+registers (fp32) for the whole walk and is staged to shared memory in the input dtype
+once per chunk as the B operand of Q S and K S. Tokens past the end of the sequence
+(last chunk) are masked: their gate factors are 0, so nothing of the next sequence's
+rows that the tile loads reaches S, and their rows of o are not stored.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from flash_qla.arch import ArchProfile
+
+LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=None)
+def fused_fwd_kernel(
+    Hqk: int,
+    Hv: int,
+    K: int,
+    V: int,
+    BV: int,
+    dtype: str,
+    profile: ArchProfile,
+    HAS_H0: bool,
+    STORE_H: bool,
+):
+    """Compile (or load from TileLang's cache) the fused forward for one static config."""
+    C = profile.chunk
+    GROUPS = Hv // Hqk
+    NV = V // BV
+    accum = "float32"
+    tokens = T.dynamic("tokens")
+    n_seqs = T.dynamic("n_seqs")
+    n_h0 = T.dynamic("n_h0")
+    n_chunks = T.dynamic("n_chunks")
+    n_slots = T.dynamic("n_slots")
+
+    @T.prim_func
+    def fused_fwd(
+        q: T.Tensor([tokens, Hqk, K], dtype),
+        k: T.Tensor([tokens, Hqk, K], dtype),
+        v: T.Tensor([tokens, Hv, V], dtype),
+        gamma: T.Tensor([Hv, n_slots, C], accum),
+        A: T.Tensor([tokens, Hv, C], dtype),
+        P: T.Tensor([tokens, Hv, C], dtype),
+        cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
+        chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        h0: T.Tensor([n_h0, Hv, K, V], accum),
+        o: T.Tensor([tokens, Hv, V], dtype),
+        ht: T.Tensor([n_seqs, Hv, K, V], accum),
+        h: T.Tensor([n_chunks, Hv, K, V], accum),
+        scale: T.float32,
+    ):
+        with T.Kernel(NV, Hv, n_seqs, threads=profile.fused_threads) as (iv, ih, n):
+            ihk = ih // GROUPS
+            v0 = iv * BV
+            bos = cu_seqlens[n]
+            seqlen = cu_seqlens[n + 1] - bos
+            first_chunk = chunk_offsets[n]
+
+            q_s = T.alloc_shared([C, K], dtype)
+            k_s = T.alloc_shared([C, K], dtype)
+            v_s = T.alloc_shared([C, BV], dtype)
+            a_s = T.alloc_shared([C, C], dtype)
+            p_s = T.alloc_shared([C, C], dtype)
+            gam_s = T.alloc_shared([C], accum)
+            s_s = T.alloc_shared([K, BV], dtype)  # S in the input dtype, B operand
+            u_s = T.alloc_shared([C, BV], dtype)  # V − diag(e^γ) K S
+            vn_s = T.alloc_shared([C, BV], dtype)  # v_new
+            vd_s = T.alloc_shared([C, BV], dtype)  # diag(e^{γ_L − γ}) v_new
+            o_s = T.alloc_shared([C, BV], dtype)
+            eg_s = T.alloc_shared([C], accum)  # e^γ, 0 past the end
+            ed_s = T.alloc_shared([C], accum)  # e^{γ_L − γ}, 0 past the end
+
+            S = T.alloc_fragment([K, BV], accum)
+            W = T.alloc_fragment([C, BV], accum)
+            O = T.alloc_fragment([C, BV], accum)
+            VN = T.alloc_fragment([C, BV], accum)
+            g_last = T.alloc_var(accum)
+
+            if HAS_H0:
+                T.copy(h0[n, ih, :, v0:v0 + BV], S)
+            else:
+                T.clear(S)
+
+            for c in T.Pipelined(T.ceildiv(seqlen, C), num_stages=profile.num_stages):
+                t0 = bos + c * C
+                valid = T.min(C, seqlen - c * C)  # tokens of this chunk in the sequence
+                T.copy(q[t0:t0 + C, ihk, :], q_s)
+                T.copy(k[t0:t0 + C, ihk, :], k_s)
+                T.copy(v[t0:t0 + C, ih, v0:v0 + BV], v_s)
+                T.copy(A[t0:t0 + C, ih, :], a_s)
+                T.copy(P[t0:t0 + C, ih, :], p_s)
+                T.copy(gamma[ih, first_chunk + c, :], gam_s)
+
+                if STORE_H:
+                    T.copy(S, h[first_chunk + c, ih, :, v0:v0 + BV])
+
+                g_last = gam_s[valid - 1]
+                for i in T.Parallel(C):
+                    eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
+                    ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
+                T.copy(S, s_s)
+
+                # inter-chunk terms against the state at the chunk's start
+                T.gemm(q_s, s_s, O, clear_accum=True)
+                T.gemm(k_s, s_s, W, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    u_s[i, j] = v_s[i, j] - W[i, j] * eg_s[i]
+                for i, j in T.Parallel(C, BV):
+                    O[i, j] = O[i, j] * eg_s[i]
+                T.gemm(a_s, u_s, VN, clear_accum=True)
+                T.copy(VN, vn_s)
+                for i, j in T.Parallel(C, BV):
+                    vd_s[i, j] = VN[i, j] * ed_s[i]
+                T.gemm(p_s, vn_s, O)
+
+                # state update  S <- e^{γ_L} S + Kᵀ diag(e^{γ_L − γ}) v_new
+                for d, j in T.Parallel(K, BV):
+                    S[d, j] = S[d, j] * T.exp2(g_last * LOG2E)
+                T.gemm(k_s, vd_s, S, transpose_A=True)
+
+                for i, j in T.Parallel(C, BV):
+                    o_s[i, j] = O[i, j] * scale
+                for i, j in T.Parallel(C, BV):
+                    if i < valid:
+                        o[t0 + i, ih, v0 + j] = o_s[i, j]
+
+            T.copy(S, ht[n, ih, :, v0:v0 + BV])
+
+    return tilelang.compile(fused_fwd, target=profile.target)

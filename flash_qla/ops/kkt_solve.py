@@ -1,0 +1,197 @@
+"""Chunk-local gate cumsum, K Kᵀ + triangular solve, and the masked Q Kᵀ: everything per chunk.
+
+Computes, for every chunk of 64 tokens (chunks restart at each sequence start) and
+v-head h, with β = beta, γ = cumsum(g) over the chunk (fp32) and Γ_ij = e^{γ_i − γ_j}:
+
+    g_cum = γ                                                    [C]
+    M     = StrictLower(diag(β) K Kᵀ ⊙ Γ)                       [C, C] fp32
+    A     = (I + M)⁻¹ diag(β)                                    [C, C]
+    P     = Q Kᵀ ⊙ Γ ⊙ Lower                                     [C, C]
+
+P is what the fused forward multiplies v_new with; computing it here, once per chunk,
+keeps a [C, C] x [C, K] product and C² exponentials out of the sequential kernel (where
+they would run once per V-tile).
+
+Inputs (packed varlen, T tokens in all):
+    q, k    [T, Hqk, K]  input dtype; v-head h reads qk-head h // (Hv // Hqk)
+    g, beta [T, Hv]      fp32 (the launcher converts)
+    cu_seqlens    [N+1]  int32
+    chunk_offsets [N+1]  int32, first global chunk index of each sequence
+Outputs:
+    g_cum   [T, Hv]      fp32
+    gamma   [Hv, slots, C] fp32, γ again, chunk-major (slot = global chunk index): the
+                         fused kernel loads a chunk's γ with one aligned TMA box
+    A, P    [T, Hv, C]   input dtype; row t holds row (t − chunk start) of its chunk's
+                         matrix; columns past the row (and past the chunk's end) are 0
+
+Schedule: grid (chunk slots, Hv), one warpgroup per block; slot j finds its
+(sequence, chunk) by a binary search over chunk_offsets (no host-side chunk table, so no
+host synchronisation). The launcher sizes the grid with the upper bound T // C + N;
+slots past the last chunk exit at once. K Kᵀ and Q Kᵀ run on the tensor cores (wgmma,
+fp32 accumulate). The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
+  1. the four 16 x 16 diagonal blocks by forward substitution, one warp per block, each
+     lane holding half a row in registers; the finished row is published through
+     shared memory once per step;
+  2. two doubling merges (16 -> 32 -> 64), X₂₁ = −X₂₂ (M₂₁ X₁₁), as CUDA-core products
+     with register tiles (2 x 4 outputs per thread), operands in padded shared memory
+     (row stride C + 4 floats: no bank conflicts between the rows a warp reads).
+M and X share one fp32 buffer: each block of M is read before X overwrites it.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from flash_qla.arch import ArchProfile
+
+LOG2E = 1.4426950408889634
+DIAG = 16  # diagonal blocks inverted by forward substitution
+PAD = 4  # floats of padding per row of the fp32 shared matrices
+
+
+@functools.lru_cache(maxsize=None)
+def kkt_solve_kernel(Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile):
+    """Compile (or load from TileLang's cache) the kkt+solve stage for one static config."""
+    C = profile.chunk
+    THREADS = profile.threads
+    GROUPS = Hv // Hqk
+    HALF = DIAG // 2  # columns of a diagonal block per lane
+    assert THREADS == 4 * 32 and C == 4 * DIAG, "one warp per diagonal block"
+    accum = "float32"
+    tokens = T.dynamic("tokens")
+    n_slots = T.dynamic("n_slots")
+    n_seqs = T.dynamic("n_seqs")
+
+    @T.macro
+    def merge(x_s, t_s, acc, tx, s: int):
+        """Join pairs of inverted s x s diagonal blocks of X into 2s x 2s inverses (M₂₁ -> X₂₁ in place)."""
+        per_problem = THREADS // (C // (2 * s))  # threads per pair of blocks
+        col_groups = s // 4
+        rows = s // (per_problem // col_groups)  # output rows per thread (x 4 columns)
+        b = tx // per_problem
+        r0 = (tx % per_problem) // col_groups * rows
+        c0 = (tx % per_problem) % col_groups * 4
+        base = 2 * s * b
+        # T₁ = M₂₁ X₁₁
+        for e in T.unroll(rows * 4):
+            acc[e] = 0.0
+        for kk in T.serial(s):
+            for rr in T.unroll(rows):
+                for cc in T.unroll(4):
+                    acc[rr * 4 + cc] += x_s[base + s + r0 + rr, base + kk] * x_s[base + kk, base + c0 + cc]
+        for rr in T.unroll(rows):
+            for cc in T.unroll(4):
+                t_s[b * s + r0 + rr, c0 + cc] = acc[rr * 4 + cc]
+        # X₂₁ = −X₂₂ T₁
+        for e in T.unroll(rows * 4):
+            acc[e] = 0.0
+        for kk in T.serial(s):
+            for rr in T.unroll(rows):
+                for cc in T.unroll(4):
+                    acc[rr * 4 + cc] += x_s[base + s + r0 + rr, base + s + kk] * t_s[b * s + kk, c0 + cc]
+        for rr in T.unroll(rows):
+            for cc in T.unroll(4):
+                x_s[base + s + r0 + rr, base + c0 + cc] = -acc[rr * 4 + cc]
+
+    @T.prim_func
+    def kkt_solve(
+        q: T.Tensor([tokens, Hqk, K], dtype),
+        k: T.Tensor([tokens, Hqk, K], dtype),
+        g: T.Tensor([tokens, Hv], accum),
+        beta: T.Tensor([tokens, Hv], accum),
+        cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
+        chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        g_cum: T.Tensor([tokens, Hv], accum),
+        gamma: T.Tensor([Hv, n_slots, C], accum),
+        A: T.Tensor([tokens, Hv, C], dtype),
+        P: T.Tensor([tokens, Hv, C], dtype),
+        slots: T.int32,
+    ):
+        with T.Kernel(slots, Hv, threads=THREADS) as (slot, ih):
+            ihk = ih // GROUPS
+            tx = T.get_thread_binding()
+            q_s = T.alloc_shared([C, K], dtype)
+            k_s = T.alloc_shared([C, K], dtype)
+            p_s = T.alloc_shared([C, C], dtype)
+            gam_s = T.alloc_shared([C], accum)
+            beta_s = T.alloc_shared([C], accum)
+            # M (strictly lower), overwritten block by block with X = (I + M)⁻¹: each M block is
+            # read (diagonal blocks into registers, M₂₁ into T₁) before X takes its place
+            x_s = T.alloc_shared([C, C + PAD], accum)
+            t_s = T.alloc_shared([C // 2, C // 2 + PAD], accum)  # M₂₁ X₁₁ of the merges
+            KK = T.alloc_fragment([C, C], accum)
+            QK = T.alloc_fragment([C, C], accum)
+            xr = T.alloc_local([HALF], accum)  # this lane's half row of its diagonal block
+            mr = T.alloc_local([DIAG], accum)  # this lane's row of M inside the block
+            acc = T.alloc_local([8], accum)
+            lo = T.alloc_var("int32")
+            hi = T.alloc_var("int32")
+            mid = T.alloc_var("int32")
+            t0 = T.alloc_var("int32")
+            valid = T.alloc_var("int32")
+
+            # slot -> sequence: the last n with chunk_offsets[n] <= slot
+            lo = 0
+            hi = n_seqs
+            for _ in T.serial(32):
+                if lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if chunk_offsets[mid] <= slot:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+            t0 = cu_seqlens[lo] + (slot - chunk_offsets[lo]) * C
+            valid = T.min(C, cu_seqlens[lo + 1] - t0)
+            if slot < chunk_offsets[n_seqs]:
+                T.copy(q[t0:t0 + C, ihk, :], q_s)
+                T.copy(k[t0:t0 + C, ihk, :], k_s)
+                for i in T.Parallel(C):
+                    gam_s[i] = T.if_then_else(i < valid, g[t0 + i, ih], 0.0)
+                    beta_s[i] = T.if_then_else(i < valid, beta[t0 + i, ih], 0.0)
+                T.cumsum(gam_s, dim=0)
+                for i in T.Parallel(C):
+                    gamma[ih, slot, i] = gam_s[i]
+                    if i < valid:
+                        g_cum[t0 + i, ih] = gam_s[i]
+
+                T.gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
+                T.gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    x_s[i, j] = T.if_then_else(
+                        j < i and i < valid,
+                        beta_s[i] * KK[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E),
+                        0.0,
+                    )
+                    p_s[i, j] = T.if_then_else(j <= i, QK[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
+                for i, j in T.Parallel(C, C):
+                    if i < valid:
+                        P[t0 + i, ih, j] = p_s[i, j]
+
+                # 1. diagonal blocks: warp w inverts block w; lane holds row r, columns c0..c0+7
+                base = tx // 32 * DIAG
+                r = tx % 32 // 2
+                c0 = tx % 2 * HALF
+                for c in T.unroll(HALF):
+                    xr[c] = T.if_then_else(r == c0 + c, 1.0, 0.0)
+                for j in T.unroll(DIAG):
+                    mr[j] = x_s[base + r, base + j]
+                for j in T.unroll(DIAG):
+                    if r == j:  # row j is final: publish it
+                        for c in T.unroll(HALF):
+                            x_s[base + j, base + c0 + c] = xr[c]
+                    if r > j:
+                        for c in T.unroll(HALF):
+                            xr[c] -= mr[j] * x_s[base + j, base + c0 + c]
+                for c in T.unroll(HALF):
+                    x_s[base + r, base + c0 + c] = xr[c]
+
+                # 2. doubling merges: blocks of 16, then of 32
+                merge(x_s, t_s, acc, tx, DIAG)
+                merge(x_s, t_s, acc, tx, 2 * DIAG)
+
+                for i, j in T.Parallel(C, C):
+                    if i < valid:
+                        A[t0 + i, ih, j] = x_s[i, j] * beta_s[j]
+
+    return tilelang.compile(kkt_solve, target=profile.target)

@@ -1,0 +1,85 @@
+"""CPU checks of the forward's host-side logic: chunk bookkeeping, V-tile choice, precompile CLI."""
+
+import os
+
+import pytest
+import torch
+
+from flash_qla.arch import SM90, profile_by_name, unsupported_reason
+from flash_qla.ops.forward import choose_block_v, chunk_offsets_of, kernel_unsupported_reason
+from flash_qla.precompile import main as precompile_main
+
+
+@pytest.mark.parametrize(
+    "seqlens,expected",
+    [
+        ((64,), [0, 1]),
+        ((0, 1, 65, 130), [0, 0, 1, 3, 6]),
+        ((63, 0, 0, 64, 129), [0, 1, 1, 1, 2, 5]),
+    ],
+    ids=["one_full_chunk", "zero_one_65_130", "zeros_inside"],
+)
+def test_chunk_offsets(seqlens, expected):
+    cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32)
+    offsets = chunk_offsets_of(cu, SM90.chunk)
+    assert offsets.dtype == torch.int32 and offsets.tolist() == expected
+    # the kkt_solve grid's upper bound T // C + N covers every chunk
+    assert offsets[-1] <= sum(seqlens) // SM90.chunk + len(seqlens)
+
+
+@pytest.mark.parametrize(
+    "n_seqs,Hv,expected",
+    [(8, 32, 64), (1, 32, 32), (1, 8, 32), (2, 64, 64), (1, 64, 32)],
+)
+def test_block_v_fills_the_gpu(n_seqs, Hv, expected):
+    assert choose_block_v(n_seqs, Hv, 128, SM90) == expected
+
+
+def test_kernel_support_reasons():
+    q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
+    assert kernel_unsupported_reason(q, q) is None
+    assert "float32" in kernel_unsupported_reason(q.float(), q)
+    assert "head dims" in kernel_unsupported_reason(q[..., :64], q[..., :64])
+
+
+def test_unknown_arch_name():
+    with pytest.raises(ValueError, match="unknown arch"):
+        profile_by_name("sm75")
+
+
+@pytest.mark.parametrize("heads", ["16", "16/0", "3/16", "a/b"])
+def test_precompile_rejects_bad_heads(heads, capsys):
+    with pytest.raises(SystemExit) as exc:
+        precompile_main(["--heads", heads])
+    assert exc.value.code == 2
+    assert "--heads" in capsys.readouterr().err
+
+
+def test_chunk_offsets_recomputed_after_in_place_edit():
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+    assert chunk_offsets_of(cu, SM90.chunk).tolist() == [0, 1, 2]
+    assert chunk_offsets_of(cu, SM90.chunk).tolist() == [0, 1, 2]  # cached
+    cu[2] = 200
+    assert chunk_offsets_of(cu, SM90.chunk).tolist() == [0, 1, 4]
+
+
+def test_cpu_device_is_not_a_kernel_device():
+    assert "CUDA device" in unsupported_reason(torch.device("cpu"))
+
+
+def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
+    """The CLI compiles the cross product of --dtype x --heads into --cache-dir (builds stubbed)."""
+    from flash_qla.ops import forward
+
+    built = []
+
+    def fake_builds(profile, Hqk, Hv, dtype):
+        return [(lambda *args: built.append(args), (Hqk, Hv, dtype))]
+
+    monkeypatch.setattr(forward, "forward_kernel_builds", fake_builds)
+    monkeypatch.delenv("TILELANG_CACHE_DIR", raising=False)
+    argv = ["--heads", "16/32", "--heads", "4/8", "--dtype", "bfloat16", "--dtype", "float16", "--cache-dir", str(tmp_path)]
+    assert precompile_main(argv) == 0
+    assert sorted(built) == sorted((h, v, d) for d in ("bfloat16", "float16") for h, v in ((16, 32), (4, 8)))
+    assert os.environ["TILELANG_CACHE_DIR"] == str(tmp_path)
+    assert "4 kernels for sm90" in capsys.readouterr().out

@@ -31,8 +31,8 @@ def kernel_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
 def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
     """V-tile width of the fused kernels: as wide as possible while the grid fills the GPU.
 
-    Wide tiles recompute less (Q Kᵀ and the decayed copies are per tile); narrow tiles
-    give more independent recurrences when sequences x heads is small.
+    Every V-tile loads q, k, A and P again and runs the K S product again, so wide tiles do
+    less; narrow tiles give more independent recurrences when sequences x heads is small.
     """
     for bv in (64, 32):
         if n_seqs * Hv * (V // bv) >= profile.num_sms:
@@ -68,9 +68,15 @@ def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_f
 
     q, k [1, T, Hqk, K]; v [1, T, Hv, V]; g, beta [1, T, Hv]; cu_seqlens [N + 1] int32;
     initial_state [N, Hv, K, V] float32 or None.
-    One host synchronisation remains, only when output_h is asked: the number of chunks
-    (sizes h) is read back from the device.
+    No host synchronisation here, except when output_h is asked: the number of chunks
+    (which sizes h) is read back from the device. (Validation reads a new cu_seqlens
+    tensor once, flash_qla.validation.)
     """
+    with torch.cuda.device(q.device):  # launches go to q's device, not the current one
+        return _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h)
+
+
+def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h):
     profile = get_profile(q.device)
     C = profile.chunk
     _, T, Hqk, K = q.shape
@@ -80,6 +86,7 @@ def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_f
     q, k, v = (x[0].contiguous() for x in (q, k, v))
     g = g[0].to(torch.float32).contiguous()
     beta = beta[0].to(torch.float32).contiguous()
+    cu_seqlens = cu_seqlens.contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
 
     slots = T // C + N  # upper bound of the number of chunks, known without a sync

@@ -23,7 +23,7 @@ tensor-core operands (the usual form rounds u, w and v_new).
 Inputs (packed varlen, T tokens in all; `cu_seqlens` [N+1] int32):
     q, k     [T, Hqk, K]   input dtype; v-head h reads qk-head h // (Hv // Hqk)
     v        [T, Hv, V]    input dtype
-    gamma    [Hv, NT, C]   fp32, chunk-local cumsum of g, chunk-major (kkt_solve; a TMA box
+    gamma    [Hv, slots, C] fp32, chunk-local cumsum of g, chunk-major (kkt_solve; a TMA box
                            must start 16-byte aligned, which token-major rows do not)
     A, P     [T, Hv, C]    input dtype (kkt_solve)
     chunk_offsets [N+1]    int32, first global chunk index of each sequence (for h)

@@ -2,13 +2,12 @@
 
 One table maps the major/minor compute capability to a frozen :class:`ArchProfile`
 that every kernel stage reads (chunk size, threads, pipeline depth, TileLang
-target). Detection happens at call time, never at import; ``FLASH_QLA_ARCH``
-(``sm90``, ...) overrides it for tests and ahead-of-time compilation.
+target). Detection happens at call time, never at import; ahead-of-time compilation
+names a profile instead (``profile_by_name``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -51,9 +50,6 @@ def unsupported_reason(device: torch.device) -> str | None:
     """Why the kernels cannot run on ``device``, or None when they can."""
     if device.type != "cuda":
         return f"kernels need a CUDA device, got {device.type!r}"
-    if os.environ.get("FLASH_QLA_ARCH"):
-        profile_by_name(os.environ["FLASH_QLA_ARCH"])
-        return None
     cap = torch.cuda.get_device_capability(device)
     if cap not in PROFILES:
         supported = ", ".join(f"sm_{a}{b}" for a, b in PROFILES)
@@ -66,6 +62,4 @@ def get_profile(device: torch.device) -> ArchProfile:
     reason = unsupported_reason(device)
     if reason is not None:
         raise RuntimeError(reason)
-    if os.environ.get("FLASH_QLA_ARCH"):
-        return profile_by_name(os.environ["FLASH_QLA_ARCH"])
     return PROFILES[torch.cuda.get_device_capability(device)]

@@ -1,14 +1,30 @@
 """flash_qla vs FLA Triton on the DESIGN.md §4 set: GPU kernel time and whole-call latency.
 
-    python benchmark/bench_gated_delta_rule.py [--full] [--heads 16/32 ...] [--seqs 1x32768 ...]
-                                               [--out benchmark/benchmark_results_H200.txt]
+    python benchmark/bench_gated_delta_rule.py [--mode fwd|train|bwd] [--full] [--heads 16/32 ...]
+                                               [--seqs 1x32768 ...] [--reps 30] [--warmup 5]
+                                               [--out benchmark/benchmark_results_H200.txt [--append]]
 
-Kernel time: CUDA events around one call queued behind a ~1 ms device sleep, so the host's
-launch work hides under the sleep and the events see only the GPU work of the call (all
-of its kernels, gaps between them included); median of --reps after warm-up. Whole
-call: host wall clock from a synchronised start to the synchronised end of one call,
-median. FLA runs with FLA_FLASH_QLA=0 so it does not dispatch to us, on the same inputs
-in the same process. floor = max(FLOP / 789 TFLOP/s, bytes / 4.28 TB/s) (DESIGN.md §1).
+What one timed call is, per --mode (q, k, v, g, beta from make_inputs; do, dht random, seed 1):
+  fwd    the public forward, o, final_state = fn(q, k, v, g, beta, cu_seqlens, output_final_state=True),
+         inputs not requiring grad.
+  train  a training step: the public forward on leaves requiring grad (made once), then
+         torch.autograd.grad([o, final_state], [q, k, v, g, beta], [do, dht]); the graph is
+         built afresh and freed by every call, and no .grad accumulates.
+  bwd    the low-level backward alone, from what one untimed low-level forward saved. Ours:
+         chunk_gated_delta_rule_bwd(q, k, v, g_cum, beta, A, do, dht, cu_seqlens) after
+         g_cum, A, ... = chunk_gated_delta_rule_fwd(...). FLA: fla.ops.gated_delta_rule.chunk's
+         chunk_gated_delta_rule_bwd (what its autograd backward calls, less input_guard) after
+         its chunk_gated_delta_rule_fwd, chunk_indices prepared once as its autograd forward does.
+
+Kernel time: CUDA events around one call queued behind a device sleep longer than a whole
+call (1 ms + the whole-call median), so the host's launch work hides under the sleep and
+the events see only the GPU work of the call (all of its kernels, gaps between them
+included; a call that syncs the device inside also shows its host work after the sync);
+median of --reps after warm-up. Whole call: host wall clock from a synchronised start to
+the synchronised end of one call, median. FLA runs with FLA_FLASH_QLA=0 so it does not
+dispatch to us, on the same inputs in the same process. floor = max(FLOP / 789 TFLOP/s,
+bytes / 4.28 TB/s) with DESIGN.md §1's forward counts, printed in fwd mode only: §1 counts
+no backward, and the backward's least work depends on what it chooses to recompute.
 """
 
 import argparse
@@ -16,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 os.environ["FLA_FLASH_QLA"] = "0"  # before fla is imported: FLA must not dispatch to us
 
@@ -30,6 +47,15 @@ EXTRA = [("16/32", "1x8192"), ("16/32", "1024x8")]
 FULL_HEADS = ["16/64", "8/32", "4/16", "2/8", "16/32", "16/48", "8/24", "16/16", "32/32"]
 FULL_SEQS = ["1x32768", "1x8192", "1x2048", "28672+4096", "16384+16384", "8192x4", "4096x8", "1024x8"]
 PEAK_FLOPS, PEAK_BYTES = 789e12, 4.28e12  # measured on our H200 (DESIGN.md §1)
+SLEEP_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep spins in clock cycles; H200 SMs run at <= 1.98 GHz
+HEADER = (
+    "Hqk/Hv", "seqlens", "floor", "ours kern", "FLA kern", "speedup", "/floor", "ours call", "FLA call", "speedup"
+)
+MODES = {
+    "fwd": "forward",
+    "train": "training step: forward + backward through autograd",
+    "bwd": "backward alone from the saved low-level forward",
+}
 
 
 def parse_seqs(text):
@@ -46,12 +72,12 @@ def floor_ms(T, Hqk, Hv, K=128, V=128, C=64):
     return max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) * 1e3
 
 
-def kernel_ms(fn, reps):
-    """GPU time of fn's work, host launch cost hidden behind a device sleep; median in ms."""
+def kernel_ms(fn, reps, sleep_ms):
+    """GPU time of fn's work, host launch cost hidden behind a device sleep of sleep_ms; median in ms."""
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000)  # ~1 ms: the host queues fn's launches meanwhile
+        torch.cuda._sleep(int(sleep_ms * SLEEP_CYCLES_PER_MS))  # the host queues fn's launches meanwhile
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -73,34 +99,112 @@ def call_ms(fn, reps):
     return statistics.median(times)
 
 
-def bench_config(heads, seqs, fla_fn, reps, warmup):
+def load_fla():
+    """FLA's public function and its low-level forward and backward (or None), and its version."""
+    try:
+        import fla
+        import fla.ops.gated_delta_rule.chunk as chunk
+        from fla.ops.utils.index import prepare_chunk_indices
+    except ImportError:
+        return None, "not installed"
+    api = SimpleNamespace(
+        call=chunk.chunk_gated_delta_rule,
+        fwd=chunk.chunk_gated_delta_rule_fwd,
+        bwd=chunk.chunk_gated_delta_rule_bwd,
+        chunk_indices=prepare_chunk_indices,
+    )
+    return api, fla.__version__
+
+
+def implementations(x, cu, fla_api):
+    """{name: (call, saved_backward)} for ours and, when installed, FLA.
+
+    call(**inputs) -> (o, final_state) is the public, differentiable function on x's packing cu.
+    saved_backward() runs the low-level forward once and returns bwd(do, dht), the low-level
+    backward from what that forward saved.
+    """
+    q, k, v, g, beta = (x[name] for name in ("q", "k", "v", "g", "beta"))
+
+    def ours_backward():
+        g_cum, A, *_ = flash_qla.chunk_gated_delta_rule_fwd(**x, cu_seqlens=cu, output_final_state=True)
+        return lambda do, dht: flash_qla.chunk_gated_delta_rule_bwd(
+            q, k, v, g_cum, beta, A, do, dht, cu_seqlens=cu
+        )
+
+    def ours(**inputs):
+        return flash_qla.chunk_gated_delta_rule(**inputs, cu_seqlens=cu, output_final_state=True)
+
+    impls = {"ours": (ours, ours_backward)}
+    if fla_api is None:
+        return impls
+    cu_fla, scale = cu.long(), q.shape[-1] ** -0.5
+
+    def fla_backward():
+        common = dict(q=q, k=k, v=v, beta=beta, scale=scale, initial_state=None, cu_seqlens=cu_fla)
+        common["chunk_indices"] = fla_api.chunk_indices(cu_fla, 64)
+        g_cum, _, A, *_ = fla_api.fwd(g=g, output_final_state=True, **common)  # g_cum is in log2 units
+        return lambda do, dht: fla_api.bwd(g=g_cum, A=A, do=do, dht=dht, **common)
+
+    def fla(**inputs):
+        return fla_api.call(**inputs, cu_seqlens=cu_fla, output_final_state=True)
+
+    impls["fla"] = (fla, fla_backward)
+    return impls
+
+
+def make_step(mode, call, saved_backward, x, do, dht):
+    """The callable that one timed call of mode runs; its setup (leaves, the saved forward) runs here."""
+    if mode == "fwd":
+        return lambda: call(**x)
+    if mode == "train":
+        leaves = {name: t.detach().requires_grad_() for name, t in x.items()}
+        return lambda: torch.autograd.grad(call(**leaves), list(leaves.values()), [do, dht])
+    bwd = saved_backward()
+    return lambda: bwd(do, dht)
+
+
+def bench_config(mode, heads, seqs, fla_api, reps, warmup):
     Hqk, Hv = (int(x) for x in heads.split("/"))
     seqlens = parse_seqs(seqs)
-    T = sum(seqlens)
-    x = make_inputs(1, T, Hqk, Hv, 128, 128, device="cuda", seed=0)
+    T, K, V = sum(seqlens), 128, 128
+    x = make_inputs(1, T, Hqk, Hv, K, V, device="cuda", seed=0)
     cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    fns = {"ours": lambda: flash_qla.chunk_gated_delta_rule(**x, cu_seqlens=cu, output_final_state=True)}
-    if fla_fn is not None:
-        cu_fla = cu.long()
-        fns["fla"] = lambda: fla_fn(**x, cu_seqlens=cu_fla, output_final_state=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(x["v"].dtype)
+    dht = torch.randn(len(seqlens), Hv, K, V, generator=gen, device="cuda")
     row = {"heads": heads, "seqs": seqs, "floor": floor_ms(T, Hqk, Hv)}
-    for name, fn in fns.items():
+    for name, (call, saved_backward) in implementations(x, cu, fla_api).items():
+        fn = make_step(mode, call, saved_backward, x, do, dht)
         for _ in range(warmup):
             fn()
-        row[f"{name}_kernel"] = kernel_ms(fn, reps)
         row[f"{name}_call"] = call_ms(fn, reps)
+        row[f"{name}_kernel"] = kernel_ms(fn, reps, sleep_ms=1 + row[f"{name}_call"])
     return row
+
+
+def format_line(cells, with_floor):
+    """heads, seqlens, floor | ours, FLA, speedup, /floor (kernel) | ours, FLA, speedup (call), as strings."""
+    widths = (7, 12, 6, 9, 9, 7, 6, 9, 9, 7)
+    text = [f"{c:>{w}}" for c, w in zip(cells, widths)]
+    if not with_floor:
+        text[2] = text[6] = None
+    groups = (text[:3], text[3:7], text[7:])
+    return " | ".join(" ".join(t for t in group if t is not None) for group in groups)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=MODES, default="fwd", help="what one timed call does (top of the file)")
     parser.add_argument("--full", action="store_true", help="every head layout x sequence pattern of DESIGN.md §4")
     parser.add_argument("--heads", action="append", help="Hqk/Hv, may repeat")
     parser.add_argument("--seqs", action="append", help="e.g. 1x32768, 4096x8, 28672+4096; may repeat")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out", help="also write the table here, with the command, versions and GPU on top")
+    parser.add_argument("--out", help="also write the table here, under the command, versions, GPU, mode")
+    parser.add_argument("--append", action="store_true", help="train/bwd modes: add to --out, not overwrite")
     args = parser.parse_args()
+    if args.append and (args.mode == "fwd" or not args.out):
+        parser.error("--append needs --out and --mode train or bwd")
 
     if args.heads or args.seqs:
         configs = [(h, s) for h in args.heads or DEFAULT_HEADS for s in args.seqs or DEFAULT_SEQS]
@@ -109,35 +213,30 @@ def main():
     else:
         configs = [(h, s) for h in DEFAULT_HEADS for s in DEFAULT_SEQS] + EXTRA
 
-    try:
-        import fla
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
-
-        fla_version = fla.__version__
-    except ImportError:
-        fla_fn, fla_version = None, "not installed"
-
+    fla_api, fla_version = load_fla()
+    with_floor = args.mode == "fwd"
     lines = [
         "# " + " ".join(["python", *sys.argv]),
         f"# GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, flash_qla {flash_qla.__version__}, "
-        f"fla {fla_version} (FLA_FLASH_QLA=0), bf16, K = V = 128, forward, ms (median of {args.reps})",
-        f"{'Hqk/Hv':>7} {'seqlens':>12} {'floor':>6} | {'ours kern':>9} {'FLA kern':>9} {'speedup':>7} "
-        f"{'/floor':>6} | {'ours call':>9} {'FLA call':>9} {'speedup':>7}",
+        f"fla {fla_version} (FLA_FLASH_QLA=0), bf16, K = V = 128, mode {args.mode} ({MODES[args.mode]}), "
+        f"ms (median of {args.reps})",
+        format_line(HEADER, with_floor),
     ]
     print("\n".join(lines), flush=True)
     for heads, seqs in configs:
-        r = bench_config(heads, seqs, fla_fn, args.reps, args.warmup)
+        r = bench_config(args.mode, heads, seqs, fla_api, args.reps, args.warmup)
+        ours_k, ours_c = r["ours_kernel"], r["ours_call"]
         fla_k, fla_c = r.get("fla_kernel", float("nan")), r.get("fla_call", float("nan"))
-        line = (
-            f"{heads:>7} {seqs:>12} {r['floor']:6.3f} | {r['ours_kernel']:9.3f} {fla_k:9.3f} "
-            f"{fla_k / r['ours_kernel']:6.2f}x {r['ours_kernel'] / r['floor']:6.1f} | "
-            f"{r['ours_call']:9.3f} {fla_c:9.3f} {fla_c / r['ours_call']:6.2f}x"
+        line = format_line(
+            (heads, seqs, f"{r['floor']:.3f}", f"{ours_k:.3f}", f"{fla_k:.3f}", f"{fla_k / ours_k:.2f}x",
+             f"{ours_k / r['floor']:.1f}", f"{ours_c:.3f}", f"{fla_c:.3f}", f"{fla_c / ours_c:.2f}x"),
+            with_floor,
         )
         print(line, flush=True)
         lines.append(line)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        with open(args.out, "a" if args.append else "w") as f:
+            f.write(("\n" if args.append else "") + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ class ArchProfile:
     chunk: int  # tokens per chunk (C)
     threads: int  # threads per block of the chunk-parallel stages
     fused_threads: int  # consumer threads of the fused kernels (a producer warpgroup is added)
+    grads_threads: int  # threads per block of the chunk-parallel backward (chunk_grads)
     num_stages: int  # depth of the shared-memory ring in the fused kernels
     num_sms: int  # multiprocessors of the reference part (V-tile choice)
 
@@ -32,7 +33,7 @@ class ArchProfile:
 
 
 SM90 = ArchProfile(
-    name="sm90", arch="sm_90a", chunk=64, threads=128, fused_threads=256, num_stages=2, num_sms=132
+    name="sm90", arch="sm_90a", chunk=64, threads=128, fused_threads=256, grads_threads=256, num_stages=2, num_sms=132
 )
 
 # compute capability -> profile; SM100 / SM120 are added here as new profiles.

@@ -6,12 +6,20 @@ length T); scale a float; states K-first [N, Hv, K, V] in float32 (float64 when 
 float64), or None.
 
 CPU tensors run the PyTorch reference. CUDA tensors run the TileLang kernels of the
-device's architecture (flash_qla.arch); the backward has no kernels yet and runs the
-reference on the GPU. CUDA inputs the kernels cannot take raise, rather than silently
-taking a path hundreds of times slower.
+device's architecture (flash_qla.arch), forward and backward. CUDA inputs the kernels
+cannot take raise, rather than silently taking a path hundreds of times slower.
 """
 
 from flash_qla.reference.chunked import chunk_gated_delta_rule_bwd_ref, chunk_gated_delta_rule_fwd_ref
+
+
+def _check_kernel_inputs(q, v):
+    """Raise a ValueError naming q when the GPU kernels cannot take these inputs."""
+    from flash_qla.ops.forward import kernel_unsupported_reason
+
+    reason = kernel_unsupported_reason(q, v)
+    if reason is not None:
+        raise ValueError(f"q: {reason}")
 
 
 def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h):
@@ -26,11 +34,9 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_st
     final_state : [N, Hv, K, V] float32; None unless output_final_state.
     """
     if q.is_cuda:
-        from flash_qla.ops.forward import forward_kernels, kernel_unsupported_reason
+        from flash_qla.ops.forward import forward_kernels
 
-        reason = kernel_unsupported_reason(q, v)
-        if reason is not None:
-            raise ValueError(f"q: {reason}")
+        _check_kernel_inputs(q, v)
         return forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h)
     return chunk_gated_delta_rule_fwd_ref(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h
@@ -45,6 +51,11 @@ def _backward(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens
     dq, dk, dv, dbeta, dg, dh0
         Each in its input's dtype; dg w.r.t. the raw gate g (the reverse chunk-local cumsum of
         the gradient w.r.t. g_cum), in g_cum's dtype; dh0 None without initial_state.
-        The reference recomputes the forward and ignores A.
+        The kernels use A; the reference recomputes the forward and ignores it.
     """
+    if q.is_cuda:
+        from flash_qla.ops.backward import backward_kernels
+
+        _check_kernel_inputs(q, v)
+        return backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens)
     return chunk_gated_delta_rule_bwd_ref(q, k, v, g_cum, beta, do, dht, scale, initial_state, cu_seqlens)

@@ -1,7 +1,9 @@
 """Ahead-of-time compilation of every kernel one head layout needs, on any machine.
 
     python -m flash_qla.precompile --arch sm90 --heads 16/32 --dtype bfloat16 [--cache-dir DIR]
+                                   [--forward-only] [--jobs N]
 
+Forward and backward kernels, unless --forward-only.
 Compiles into TileLang's kernel cache (``--cache-dir`` or ``TILELANG_CACHE_DIR``); no GPU
 is needed. At run time the library builds the identical target for the GPU it runs on,
 so a precompiled cache is hit and the first call does not stall on compilation. Run
@@ -37,12 +39,14 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=parse_heads, action="append", required=True, help="Hqk/Hv, may repeat")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), action="append", help="may repeat (default bfloat16)")
     parser.add_argument("--cache-dir", help="TileLang cache directory (default: TILELANG_CACHE_DIR or TileLang's)")
+    parser.add_argument("--forward-only", action="store_true", help="skip the backward's kernels (inference)")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     args = parser.parse_args(argv)
     if args.cache_dir:
         os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)
 
     from flash_qla.arch import profile_by_name
+    from flash_qla.ops.backward import backward_kernel_builds
     from flash_qla.ops.forward import forward_kernel_builds
 
     profile = profile_by_name(args.arch)
@@ -50,6 +54,8 @@ def main(argv=None) -> int:
     for dtype in args.dtype or ["bfloat16"]:
         for hqk, hv in args.heads:
             jobs += forward_kernel_builds(profile, hqk, hv, dtype)
+            if not args.forward_only:
+                jobs += backward_kernel_builds(profile, hqk, hv, dtype)
     start = time.time()
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:

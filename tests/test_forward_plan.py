@@ -69,17 +69,26 @@ def test_cpu_device_is_not_a_kernel_device():
 
 def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
     """The CLI compiles the cross product of --dtype x --heads into --cache-dir (builds stubbed)."""
-    from flash_qla.ops import forward
+    from flash_qla.ops import backward, forward
 
     built = []
 
-    def fake_builds(profile, Hqk, Hv, dtype):
-        return [(lambda *args: built.append(args), (Hqk, Hv, dtype))]
+    def fake_builds(stage):
+        def builds(profile, Hqk, Hv, dtype):
+            return [(lambda *args: built.append(args), (stage, Hqk, Hv, dtype))]
 
-    monkeypatch.setattr(forward, "forward_kernel_builds", fake_builds)
+        return builds
+
+    monkeypatch.setattr(forward, "forward_kernel_builds", fake_builds("fwd"))
+    monkeypatch.setattr(backward, "backward_kernel_builds", fake_builds("bwd"))
     monkeypatch.delenv("TILELANG_CACHE_DIR", raising=False)
     argv = ["--heads", "16/32", "--heads", "4/8", "--dtype", "bfloat16", "--dtype", "float16", "--cache-dir", str(tmp_path)]
     assert precompile_main(argv) == 0
-    assert sorted(built) == sorted((h, v, d) for d in ("bfloat16", "float16") for h, v in ((16, 32), (4, 8)))
+    layouts = [(h, v, d) for d in ("bfloat16", "float16") for h, v in ((16, 32), (4, 8))]
+    assert sorted(built) == sorted((stage, *x) for stage in ("fwd", "bwd") for x in layouts)
     assert os.environ["TILELANG_CACHE_DIR"] == str(tmp_path)
-    assert "4 kernels for sm90" in capsys.readouterr().out
+    assert "8 kernels for sm90" in capsys.readouterr().out
+
+    built.clear()
+    assert precompile_main(["--heads", "4/8", "--forward-only", "--cache-dir", str(tmp_path)]) == 0
+    assert built == [("fwd", 4, 8, "bfloat16")]

@@ -5,9 +5,7 @@ element the kernels never write fails the check), runs the public API on the GPU
 compares with the chunked reference computed in fp32 from the same rounded inputs.
 """
 
-import math
 import zlib
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ import torch.nn.functional as F
 import flash_qla
 from flash_qla.reference.chunked import chunk_gated_delta_rule_fwd_ref
 from flash_qla.reference.inputs import make_inputs
+from gpu_cases import CASES, case_inputs, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -28,82 +27,9 @@ GCUM_TOL = 1e-5
 A_TOL = 1e-2
 
 
-@dataclass(frozen=True)
-class Case:
-    id: str
-    seqlens: tuple  # lengths of the packed sequences (B = 1) ...
-    dense: tuple = ()  # ... or (B, T) of a dense batch
-    heads: tuple = (16, 32)  # Hqk, Hv
-    dtype: torch.dtype = torch.bfloat16
-    h0: bool = False
-    gate: str = "model"  # model | weak | strong
-    extra: dict = field(default_factory=dict)
-
-
-def _short_seqlens(n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randint(1, 90, (n,), generator=gen).tolist())
-
-
-CASES = [
-    Case("dense_B1_T256", (), dense=(1, 256)),
-    Case("dense_B2_T300_h0", (), dense=(2, 300), h0=True),
-    Case("varlen_edges_h0", (0, 1, 63, 64, 65, 0, 130, 1), heads=(4, 8), h0=True),
-    Case("varlen_many_short", _short_seqlens(150, 1), heads=(8, 32), h0=True),
-    Case("varlen_4096x8", (4096,) * 8, heads=(16, 32)),
-    Case("long_T32768", (32768,), heads=(16, 32)),
-    Case("long_T32768_weak_gate", (32768,), heads=(2, 8), gate="weak", h0=True),
-    Case("strong_gate", (1000, 3000), heads=(16, 32), gate="strong", h0=True),
-    Case("gva1_Hv4", (500, 700), heads=(4, 4), h0=True),
-    Case("gva8_Hv16", (777,), heads=(2, 16)),
-    Case("gva4_Hv32", (1024, 1), heads=(8, 32), h0=True),
-    Case("gva3_Hv48", (2048,), heads=(16, 48)),
-    Case("gva4_Hv64", (333, 2048), heads=(16, 64), h0=True),
-    Case("gva8_Hv64", (2000,), heads=(8, 64)),
-    Case("fp16_dense_B2", (), dense=(2, 1000), dtype=torch.float16, h0=True),
-    Case("fp16_varlen_edges", (0, 1, 63, 64, 65, 129), heads=(4, 8), dtype=torch.float16),
-    Case("scale_0.3", (300,), heads=(4, 8), extra={"scale": 0.3}),
-    Case("state_v_first", (200, 100), heads=(4, 8), h0=True, extra={"state_v_first": True}),
-    Case("qk_l2norm", (260,), heads=(4, 8), extra={"use_qk_l2norm_in_kernel": True}),
-]
-
-
-def _inputs(case, seed):
-    B, T = case.dense if case.dense else (1, sum(case.seqlens))
-    Hqk, Hv = case.heads
-    x = make_inputs(B, T, Hqk, Hv, 128, 128, dtype=case.dtype, device="cuda", seed=seed)
-    if case.gate == "weak":
-        x["g"] = -0.001 * (1 + 0.1 * torch.rand_like(x["g"]))
-    elif case.gate == "strong":  # A_log = log 16, dt = 0.1
-        x["g"] = -16 * F.softplus(torch.randn_like(x["g"]) + math.log(math.expm1(0.1)))
-    if case.extra.get("use_qk_l2norm_in_kernel"):
-        x["q"], x["k"] = x["q"] * 3, x["k"] * 0.5  # not unit norm: the kernel path must normalise
-    N = B if case.dense else len(case.seqlens)
-    cu = None
-    if not case.dense:
-        cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    h0 = torch.randn(N, Hv, 128, 128, device="cuda") if case.h0 else None
-    return x, cu, h0
-
-
-def _rel(x, ref):
-    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every output the forward allocates starts as NaN."""
-    from flash_qla.ops import forward
-
-    def new(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(forward, "_new", new)
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_forward_matches_reference(case, poisoned):
-    x, cu, h0 = _inputs(case, seed=zlib.crc32(case.id.encode()))
+    x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
     scale = case.extra.get("scale")
     state_v_first = case.extra.get("state_v_first", False)
     l2 = case.extra.get("use_qk_l2norm_in_kernel", False)
@@ -121,7 +47,7 @@ def test_forward_matches_reference(case, poisoned):
     ref = chunk_gated_delta_rule_fwd_ref(
         q.float(), k.float(), x["v"].float(), x["g"].float(), x["beta"].float(), scale, h0, cu, True, False
     )
-    errors = {"o": _rel(o, ref[2]), "final_state": _rel(ht, ref[4])}
+    errors = {"o": rel_l2(o, ref[2]), "final_state": rel_l2(ht, ref[4])}
     print(case.id, {name: f"{err:.2e}" for name, err in errors.items()})
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert errors["o"] <= FWD_TOL and errors["final_state"] <= FWD_TOL, errors
@@ -133,7 +59,7 @@ LOW_LEVEL = [c for c in CASES if c.id in ("dense_B2_T300_h0", "varlen_edges_h0",
 @pytest.mark.parametrize("case", LOW_LEVEL, ids=[c.id for c in LOW_LEVEL])
 def test_low_level_forward_intermediates(case, poisoned):
     """g_cum, A and the per-chunk states h of the low-level forward, each vs the reference."""
-    x, cu, h0 = _inputs(case, seed=7)
+    x, cu, h0 = case_inputs(case, seed=7)
     g_cum, A, o, h, ht = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu, output_h=True)
     ref = chunk_gated_delta_rule_fwd_ref(
         *(x[n].float() for n in ("q", "k", "v", "g", "beta")), None, h0, cu, True, True
@@ -145,7 +71,7 @@ def test_low_level_forward_intermediates(case, poisoned):
     ]:
         assert got.shape == want.shape, name
         assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) elements"
-        assert _rel(got, want) <= tol, (name, _rel(got, want))
+        assert rel_l2(got, want) <= tol, (name, rel_l2(got, want))
 
 
 def test_no_recompile_across_batch_shapes():

@@ -1,7 +1,7 @@
 """Every kernel stage lowers and compiles for each architecture profile, without a GPU.
 
 Checks the generated CUDA source for the instructions the schedule is built on: wgmma for
-the tensor-core products (SM90), TMA loads for the fused kernel's shared-memory ring.
+the tensor-core products (SM90), TMA loads for the fused kernels' shared-memory rings.
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 """
 
@@ -10,7 +10,10 @@ import shutil
 import pytest
 
 from flash_qla.arch import SM90
+from flash_qla.ops.backward import backward_kernel_builds
+from flash_qla.ops.chunk_grads import chunk_grads_kernel
 from flash_qla.ops.forward import forward_kernel_builds
+from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 
@@ -21,6 +24,9 @@ KERNELS = [
     ("kkt_solve", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90), ("wgmma",)),
     ("fused_fwd_bv64_h0_h", fused_fwd_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
     ("fused_fwd_bv32_fp16", fused_fwd_kernel, (4, 8, 128, 128, 32, "float16", SM90, False, False), ("wgmma", "tma_load")),
+    ("kkt_solve_backward_mode", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, True), ("wgmma",)),
+    ("fused_bwd_bv32_dht_dh0", fused_bwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
+    ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma",)),
 ]
 
 
@@ -36,3 +42,10 @@ def test_precompile_lists_every_forward_kernel():
     assert {f.__name__ for f, _ in builds} == {"kkt_solve_kernel", "fused_fwd_kernel"}
     # both V-tile widths the launcher can choose, with and without h0 / h
     assert len(builds) == 1 + 2 * 2 * 2
+
+
+def test_precompile_lists_every_backward_kernel():
+    builds = backward_kernel_builds(SM90, 16, 32, "bfloat16")
+    assert {f.__name__ for f, _ in builds} == {"kkt_solve_kernel", "fused_bwd_kernel", "chunk_grads_kernel"}
+    # kkt_solve in backward mode, the walk for both V-tile widths with and without dht / dh0, chunk_grads
+    assert len(builds) == 1 + 2 * 2 * 2 + 1

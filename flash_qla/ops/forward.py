@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from flash_qla.arch import ArchProfile, get_profile
+from flash_qla.ops import buffers
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 from flash_qla.tensor_cache import cache_last
@@ -47,22 +48,6 @@ def chunk_offsets_of(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(n_chunks, 0), (1, 0)).to(torch.int32)
 
 
-def _new(shape, dtype, device) -> torch.Tensor:
-    """Allocate an output the kernels write in full (tests swap this for a NaN-poisoned fill)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-_placeholders: dict = {}
-
-
-def _placeholder(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
-    """A state-shaped buffer passed where a kernel flag says the tensor is neither read nor written."""
-    key = (device, Hv, K, V)
-    if key not in _placeholders:
-        _placeholders[key] = torch.empty(1, Hv, K, V, dtype=torch.float32, device=device)
-    return _placeholders[key]
-
-
 def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h):
     """The GPU forward; arguments and returns as flash_qla.dispatch._forward.
 
@@ -90,18 +75,18 @@ def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
 
     slots = T // C + N  # upper bound of the number of chunks, known without a sync
-    g_cum = _new((T, Hv), torch.float32, q.device)
-    gamma = _new((Hv, slots, C), torch.float32, q.device)  # γ again, chunk-major, for the fused kernel
-    A = _new((T, Hv, C), q.dtype, q.device)
-    P = _new((T, Hv, C), q.dtype, q.device)  # Q Kᵀ ⊙ Γ ⊙ Lower
+    g_cum = buffers.new((T, Hv), torch.float32, q.device)
+    gamma = buffers.new((Hv, slots, C), torch.float32, q.device)  # γ again, chunk-major, for the fused kernel
+    A = buffers.new((T, Hv, C), q.dtype, q.device)
+    P = buffers.new((T, Hv, C), q.dtype, q.device)  # Q Kᵀ ⊙ Γ ⊙ Lower
     kkt_solve_kernel(Hqk, Hv, K, dtype, profile)(q, k, g, beta, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)
 
-    placeholder = _placeholder(q.device, Hv, K, V)
-    o = _new(v.shape, v.dtype, v.device)
-    final_state = _new((N, Hv, K, V), torch.float32, q.device)
+    placeholder = buffers.placeholder(q.device, Hv, K, V)
+    o = buffers.new(v.shape, v.dtype, v.device)
+    final_state = buffers.new((N, Hv, K, V), torch.float32, q.device)
     h = None
     if output_h:
-        h = _new((int(chunk_offsets[-1]), Hv, K, V), torch.float32, q.device)
+        h = buffers.new((int(chunk_offsets[-1]), Hv, K, V), torch.float32, q.device)
     h0 = initial_state.contiguous() if initial_state is not None else placeholder
     BV = choose_block_v(N, Hv, V, profile)
     fused = fused_fwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, output_h)

@@ -51,8 +51,12 @@ PAD = 4  # floats of padding per row of the fp32 shared matrices
 
 
 @functools.lru_cache(maxsize=None)
-def kkt_solve_kernel(Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile):
-    """Compile (or load from TileLang's cache) the kkt+solve stage for one static config."""
+def kkt_solve_kernel(Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile, BACKWARD: bool = False):
+    """Compile (or load from TileLang's cache) the kkt+solve stage for one static config.
+
+    BACKWARD: g is already g_cum (the forward's output) and only gamma and P are written:
+    the backward keeps the forward's A and needs P and chunk-major γ again.
+    """
     C = profile.chunk
     THREADS = profile.threads
     GROUPS = Hv // Hqk
@@ -149,49 +153,55 @@ def kkt_solve_kernel(Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile
                 for i in T.Parallel(C):
                     gam_s[i] = T.if_then_else(i < valid, g[t0 + i, ih], 0.0)
                     beta_s[i] = T.if_then_else(i < valid, beta[t0 + i, ih], 0.0)
-                T.cumsum(gam_s, dim=0)
+                if not BACKWARD:
+                    T.cumsum(gam_s, dim=0)
                 for i in T.Parallel(C):
                     gamma[ih, slot, i] = gam_s[i]
-                    if i < valid:
-                        g_cum[t0 + i, ih] = gam_s[i]
+                if not BACKWARD:
+                    for i in T.Parallel(C):
+                        if i < valid:
+                            g_cum[t0 + i, ih] = gam_s[i]
 
-                T.gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
                 T.gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    x_s[i, j] = T.if_then_else(
-                        j < i and i < valid,
-                        beta_s[i] * KK[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E),
-                        0.0,
-                    )
                     p_s[i, j] = T.if_then_else(j <= i, QK[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
                 for i, j in T.Parallel(C, C):
                     if i < valid:
                         P[t0 + i, ih, j] = p_s[i, j]
 
-                # 1. diagonal blocks: warp w inverts block w; lane holds row r, columns c0..c0+7
-                base = tx // 32 * DIAG
-                r = tx % 32 // 2
-                c0 = tx % 2 * HALF
-                for c in T.unroll(HALF):
-                    xr[c] = T.if_then_else(r == c0 + c, 1.0, 0.0)
-                for j in T.unroll(DIAG):
-                    mr[j] = x_s[base + r, base + j]
-                for j in T.unroll(DIAG):
-                    if r == j:  # row j is final: publish it
-                        for c in T.unroll(HALF):
-                            x_s[base + j, base + c0 + c] = xr[c]
-                    if r > j:
-                        for c in T.unroll(HALF):
-                            xr[c] -= mr[j] * x_s[base + j, base + c0 + c]
-                for c in T.unroll(HALF):
-                    x_s[base + r, base + c0 + c] = xr[c]
+                if not BACKWARD:  # M, then X = (I + M)⁻¹ and A = X diag(β)
+                    T.gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        x_s[i, j] = T.if_then_else(
+                            j < i and i < valid,
+                            beta_s[i] * KK[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E),
+                            0.0,
+                        )
 
-                # 2. doubling merges: blocks of 16, then of 32
-                merge(x_s, t_s, acc, tx, DIAG)
-                merge(x_s, t_s, acc, tx, 2 * DIAG)
+                    # 1. diagonal blocks: warp w inverts block w; lane holds row r, columns c0..c0+7
+                    base = tx // 32 * DIAG
+                    r = tx % 32 // 2
+                    c0 = tx % 2 * HALF
+                    for c in T.unroll(HALF):
+                        xr[c] = T.if_then_else(r == c0 + c, 1.0, 0.0)
+                    for j in T.unroll(DIAG):
+                        mr[j] = x_s[base + r, base + j]
+                    for j in T.unroll(DIAG):
+                        if r == j:  # row j is final: publish it
+                            for c in T.unroll(HALF):
+                                x_s[base + j, base + c0 + c] = xr[c]
+                        if r > j:
+                            for c in T.unroll(HALF):
+                                xr[c] -= mr[j] * x_s[base + j, base + c0 + c]
+                    for c in T.unroll(HALF):
+                        x_s[base + r, base + c0 + c] = xr[c]
 
-                for i, j in T.Parallel(C, C):
-                    if i < valid:
-                        A[t0 + i, ih, j] = x_s[i, j] * beta_s[j]
+                    # 2. doubling merges: blocks of 16, then of 32
+                    merge(x_s, t_s, acc, tx, DIAG)
+                    merge(x_s, t_s, acc, tx, 2 * DIAG)
+
+                    for i, j in T.Parallel(C, C):
+                        if i < valid:
+                            A[t0 + i, ih, j] = x_s[i, j] * beta_s[j]
 
     return tilelang.compile(kkt_solve, target=profile.target)

@@ -1,0 +1,100 @@
+"""Backward orchestration on the GPU: four kernels, no host synchronisation.
+
+Reads like flash_qla/reference/backward_stages.py:
+  1. kkt_solve (backward mode): P = Q Kᵀ ⊙ Γ ⊙ Lower and chunk-major γ from g_cum; A is
+     the forward's (kept, not recomputed);
+  2. fused_fwd with STORE_H: the states S at every chunk start, recomputed (cheaper than
+     keeping them from the forward: [chunks, Hv, K, V] fp32 is 32x the size of A);
+  3. fused_bwd: the state gradients dS' walked backward in time, dv, dv_new, dh0;
+  4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
+     results are bitwise reproducible), dβ and dg of every chunk in parallel.
+"""
+
+import torch
+
+from flash_qla.arch import ArchProfile, get_profile
+from flash_qla.ops import buffers
+from flash_qla.ops.chunk_grads import chunk_grads_kernel
+from flash_qla.ops.forward import DTYPE_NAMES, choose_block_v, chunk_offsets_of
+from flash_qla.ops.fused_bwd import fused_bwd_kernel
+from flash_qla.ops.fused_fwd import fused_fwd_kernel
+from flash_qla.ops.kkt_solve import kkt_solve_kernel
+
+
+def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens):
+    """The GPU backward; arguments and returns as flash_qla.dispatch._backward.
+
+    q, k [1, T, Hqk, K]; v, do [1, T, Hv, V]; g_cum, beta [1, T, Hv]; A [1, T, Hv, 64];
+    cu_seqlens [N + 1] int32; dht, initial_state [N, Hv, K, V] float32 or None.
+    """
+    with torch.cuda.device(q.device):  # launches go to q's device, not the current one
+        return _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens)
+
+
+def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens):
+    profile = get_profile(q.device)
+    C = profile.chunk
+    _, T, Hqk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    N = cu_seqlens.numel() - 1
+    dtype = DTYPE_NAMES[q.dtype]
+    beta_dtype, g_dtype = beta.dtype, g_cum.dtype
+    q, k, v = (x[0].contiguous() for x in (q, k, v))
+    do, A = (x[0].to(q.dtype).contiguous() for x in (do, A))
+    g_cum, beta = (x[0].to(torch.float32).contiguous() for x in (g_cum, beta))
+    cu_seqlens = cu_seqlens.contiguous()
+    chunk_offsets = chunk_offsets_of(cu_seqlens, C)
+    slots = T // C + N  # upper bound of the number of chunks, known without a sync
+    placeholder = buffers.placeholder(q.device, Hv, K, V)
+    f32 = torch.float32
+
+    # 1. P and chunk-major γ
+    gamma = buffers.new((Hv, slots, C), f32, q.device)
+    P = buffers.new((T, Hv, C), q.dtype, q.device)
+    kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, True)
+    kkt(q, k, g_cum, beta, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)
+
+    # 2. states at every chunk start (o and the final state are by-products)
+    BV = choose_block_v(N, Hv, V, profile)
+    h = buffers.new((slots, Hv, K, V), f32, q.device)
+    h0 = placeholder if initial_state is None else initial_state.contiguous()
+    fused = fused_fwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True)
+    o, ht = torch.empty_like(v), torch.empty(N, Hv, K, V, dtype=f32, device=q.device)
+    fused(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, o, ht, h, scale)
+
+    # 3. state gradients, backward in time
+    dh = buffers.new((slots, Hv, K, V), f32, q.device)
+    dv_new, dv = buffers.new(v.shape, v.dtype, q.device), buffers.new(v.shape, v.dtype, q.device)
+    has_dht, has_h0 = dht is not None, initial_state is not None
+    dht = dht.to(f32).contiguous() if has_dht else placeholder
+    dh0 = buffers.new((N, Hv, K, V), f32, q.device) if has_h0 else placeholder
+    walk = fused_bwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, has_dht, has_h0)
+    walk(q, k, do, gamma, A, P, cu_seqlens, chunk_offsets, dht, dh, dv_new, dv, dh0, scale)
+
+    # 4. chunk gradients
+    slot_ids = torch.arange(slots, dtype=torch.int32, device=q.device)
+    chunk_seq = torch.searchsorted(chunk_offsets, slot_ids, right=True, out_int32=True).sub_(1).clamp_(0, N - 1)
+    dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
+    dbeta, dg = buffers.new((T, Hv), f32, q.device), buffers.new((T, Hv), f32, q.device)
+    grads = chunk_grads_kernel(Hqk, Hv, K, V, dtype, profile)
+    grads(q, k, v, do, dv_new, dv, A, gamma, h, dh, cu_seqlens, chunk_offsets, chunk_seq, dq, dk, dbeta, dg, scale, slots)
+
+    return (
+        dq[None],
+        dk[None],
+        dv[None],
+        dbeta.to(beta_dtype)[None],
+        dg.to(g_dtype)[None],
+        dh0 if has_h0 else None,
+    )
+
+
+def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
+    """Every (factory, args) the backward compiles for one head layout, beyond the forward's."""
+    builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, True))]
+    for bv in (64, 32):
+        for has_dht in (False, True):
+            for store_dh0 in (False, True):
+                builds.append((fused_bwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_dht, store_dh0)))
+    builds.append((chunk_grads_kernel, (Hqk, Hv, K, V, dtype, profile)))
+    return builds

@@ -1,0 +1,264 @@
+"""Chunk-parallel gradients: dq, dk, dβ and dg of every chunk, from the two state walks.
+
+Computes, for every chunk of 64 tokens and v-head h (summing dq, dk over the v-heads of a
+qk-head), with S the forward state at the
+chunk's start (fused_fwd), dS' the gradient of the state after it, dv_new and dU = dv
+(fused_bwd), γ = g_cum, e^γ and e^{γ_L − γ} zero past the sequence's end,
+Γ_ij = e^{γ_i − γ_j} on and below the diagonal of the valid rows, 0 elsewhere:
+
+    U  = V − diag(e^γ) K S,   v_new = A U                        (recomputed, [C, V])
+    N  = K Kᵀ ⊙ Γ ⊙ StrictLower,  P = Q Kᵀ ⊙ Γ                   [C, C]
+    dP = scale · dO v_newᵀ ⊙ Lower,  dN = −dU v_newᵀ ⊙ StrictLower
+    dq = scale · diag(e^γ) dO Sᵀ + (dP ⊙ Γ) K
+    dk = (dP ⊙ Γ)ᵀ Q + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
+         − diag(e^γ) dU Sᵀ + diag(e^{γ_L − γ}) v_new dS'ᵀ
+    dβ = rowsum((dv_new − Nᵀ dU) ⊙ W),  W = U − N v_new
+    dγ = e^γ ⊙ rowsum(scale · dO ⊙ Q S − dU ⊙ K S) − e^{γ_L − γ} ⊙ rowsum(v_new ⊙ K dS')
+         + rowsum(R) − colsum(R),  R = dP ⊙ P + dN ⊙ N,
+         + at the last valid token: e^{γ_L} ⟨S, dS'⟩ + Σ_i e^{γ_L − γ_i} ⟨v_new_i, (K dS')_i⟩
+    dg = reverse cumsum of dγ over the chunk
+
+flash_qla/reference/backward_stages.py derives these and checks them against autograd.
+dβ needs neither β nor the inverse again: A = diag(β) (I + N diag(β))⁻¹, so the
+gradient of N is −dU v_newᵀ and (I + N diag(β))⁻¹ U = U − N v_new. Every reduction (dγ,
+dβ, ⟨S, dS'⟩) is taken in fp32 from fp32 accumulators; only the operands of the
+tensor-core products are rounded to the input dtype. dq and dk of a qk-head sum over its
+v-heads in fp32 registers, in a fixed order (deterministic, no atomics), and are rounded
+once when stored.
+
+Inputs (packed varlen, T tokens in all):
+    q, k       [T, Hqk, K]   input dtype
+    v, do      [T, Hv, V]    input dtype
+    dv_new, dv [T, Hv, V]    input dtype (fused_bwd)
+    A          [T, Hv, C]    input dtype (forward)
+    gamma      [Hv, slots, C] fp32 γ chunk-major (kkt_solve)
+    h, dh      [slots, Hv, K, V] fp32: S and dS' of every chunk (slot = global chunk index)
+    cu_seqlens, chunk_offsets [N+1] int32
+    chunk_seq  [slots] int32, the sequence of each global chunk (any value past the last)
+Outputs:
+    dq, dk     [T, Hqk, K]   input dtype
+    dbeta, dg  [T, Hv]       fp32
+
+Schedule: grid (chunk slots, Hqk), `grads_threads` threads (two warpgroups); slots past the
+last chunk exit at once. A block loads q and k and forms Q Kᵀ and K Kᵀ once, then walks
+the Hv / Hqk v-heads of its qk-head, accumulating dq and dk. Every product runs on wgmma with fp32 accumulators;
+operands live in shared memory (S and dS' in the input dtype, 32 KB each). Three phases
+keep few accumulators live: products with S (K S, Q S, K dS', v_new); the [C, C] products
+(Q Kᵀ, K Kᵀ, dP, dN, N v_new, Nᵀ dU) with the reductions; then dq and dk.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from flash_qla.arch import ArchProfile
+
+LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=None)
+def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: ArchProfile):
+    """Compile (or load from TileLang's cache) the chunk gradients for one static config."""
+    C = profile.chunk
+    GROUPS = Hv // Hqk
+    accum = "float32"
+    tokens = T.dynamic("tokens")
+    n_slots = T.dynamic("n_slots")
+    n_seqs = T.dynamic("n_seqs")
+
+    @T.prim_func
+    def chunk_grads(
+        q: T.Tensor([tokens, Hqk, K], dtype),
+        k: T.Tensor([tokens, Hqk, K], dtype),
+        v: T.Tensor([tokens, Hv, V], dtype),
+        do: T.Tensor([tokens, Hv, V], dtype),
+        dv_new: T.Tensor([tokens, Hv, V], dtype),
+        dv: T.Tensor([tokens, Hv, V], dtype),
+        A: T.Tensor([tokens, Hv, C], dtype),
+        gamma: T.Tensor([Hv, n_slots, C], accum),
+        h: T.Tensor([n_slots, Hv, K, V], accum),
+        dh: T.Tensor([n_slots, Hv, K, V], accum),
+        cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
+        chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        chunk_seq: T.Tensor([n_slots], "int32"),
+        dq: T.Tensor([tokens, Hqk, K], dtype),
+        dk: T.Tensor([tokens, Hqk, K], dtype),
+        dbeta: T.Tensor([tokens, Hv], accum),
+        dg: T.Tensor([tokens, Hv], accum),
+        scale: T.float32,
+        slots: T.int32,
+    ):
+        with T.Kernel(slots, Hqk, threads=profile.grads_threads) as (slot, ihk):
+            q_s = T.alloc_shared([C, K], dtype)
+            k_s = T.alloc_shared([C, K], dtype)
+            do_s = T.alloc_shared([C, V], dtype)  # dO, zero past the end
+            du_s = T.alloc_shared([C, V], dtype)  # dU = dv, zero past the end
+            u_s = T.alloc_shared([C, V], dtype)
+            vn_s = T.alloc_shared([C, V], dtype)  # v_new
+            a_s = T.alloc_shared([C, C], dtype)
+            n_s = T.alloc_shared([C, C], dtype)  # N
+            dqk_s = T.alloc_shared([C, C], dtype)  # dP ⊙ Γ
+            dkk_s = T.alloc_shared([C, C], dtype)  # dN ⊙ Γ
+            s_s = T.alloc_shared([K, V], dtype)  # S
+            ds_s = T.alloc_shared([K, V], dtype)  # dS'
+            gam_s = T.alloc_shared([C], accum)
+            eg_s = T.alloc_shared([C], accum)
+            ed_s = T.alloc_shared([C], accum)
+            dg_s = T.alloc_shared([C], accum)  # dγ, row terms
+            rr_s = T.alloc_shared([C], accum)  # rowsum(R)
+            rc_s = T.alloc_shared([C], accum)  # colsum(R)
+            vk_s = T.alloc_shared([C], accum)  # ⟨v_new_i, (K dS')_i⟩
+            sd_s = T.alloc_shared([K], accum)  # rows of ⟨S, dS'⟩
+            dq_s = T.alloc_shared([C, K], dtype)
+            dk_s = T.alloc_shared([C, K], dtype)
+
+            SF = T.alloc_fragment([K, V], accum)
+            DSF = T.alloc_fragment([K, V], accum)
+            KS = T.alloc_fragment([C, V], accum)  # K S, then U
+            QS = T.alloc_fragment([C, V], accum)  # Q S, then N v_new
+            KD = T.alloc_fragment([C, V], accum)  # K dS', then Nᵀ dU
+            VN = T.alloc_fragment([C, V], accum)  # v_new
+            X = T.alloc_fragment([C, V], accum)  # elementwise terms of row sums
+            QK = T.alloc_fragment([C, C], accum)  # Q Kᵀ, shared by the v-heads
+            KK = T.alloc_fragment([C, C], accum)  # K Kᵀ, shared by the v-heads
+            NN = T.alloc_fragment([C, C], accum)  # N
+            DP = T.alloc_fragment([C, C], accum)
+            DN = T.alloc_fragment([C, C], accum)
+            G = T.alloc_fragment([C, C], accum)  # Γ on and below the diagonal of the valid rows
+            R = T.alloc_fragment([C, C], accum)
+            DQ = T.alloc_fragment([C, K], accum)  # summed over the v-heads
+            DK = T.alloc_fragment([C, K], accum)  # summed over the v-heads
+            Y = T.alloc_fragment([C, K], accum)
+            Z = T.alloc_fragment([C, K], accum)
+            rows = T.alloc_fragment([C], accum)  # row sums of [C, V] tiles
+            r_rows = T.alloc_fragment([C], accum)
+            r_cols = T.alloc_fragment([C], accum)
+            srows = T.alloc_fragment([K], accum)
+            seq = T.alloc_var("int32")
+            t0 = T.alloc_var("int32")
+            valid = T.alloc_var("int32")
+            g_last = T.alloc_var(accum)
+            at_last = T.alloc_var(accum)
+
+            seq = chunk_seq[slot]
+            t0 = cu_seqlens[seq] + (slot - chunk_offsets[seq]) * C
+            valid = T.min(C, cu_seqlens[seq + 1] - t0)
+            if slot < chunk_offsets[n_seqs]:
+                T.copy(q[t0:t0 + C, ihk, :], q_s)
+                T.copy(k[t0:t0 + C, ihk, :], k_s)
+                T.gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
+                T.gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
+                T.clear(DQ)
+                T.clear(DK)
+
+                for hg in T.serial(GROUPS):
+                    ih = ihk * GROUPS + hg
+                    T.copy(A[t0:t0 + C, ih, :], a_s)
+                    for i, j in T.Parallel(C, V):
+                        do_s[i, j] = T.if_then_else(i < valid, do[t0 + i, ih, j], 0.0)
+                        du_s[i, j] = T.if_then_else(i < valid, dv[t0 + i, ih, j], 0.0)
+                    T.copy(gamma[ih, slot, :], gam_s)
+                    g_last = gam_s[valid - 1]
+                    for i in T.Parallel(C):
+                        eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
+                        ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
+
+                    # ⟨S, dS'⟩ in fp32; S and dS' to shared memory as operands
+                    T.copy(h[slot, ih, :, :], SF)
+                    T.copy(dh[slot, ih, :, :], DSF)
+                    T.copy(SF, s_s)
+                    T.copy(DSF, ds_s)
+                    for d, j in T.Parallel(K, V):
+                        SF[d, j] = SF[d, j] * DSF[d, j]
+                    T.reduce_sum(SF, srows, dim=1)
+                    T.copy(srows, sd_s)
+
+                    # 1. products with the states; U, v_new
+                    T.gemm(k_s, s_s, KS, clear_accum=True)
+                    T.gemm(q_s, s_s, QS, clear_accum=True)
+                    T.gemm(k_s, ds_s, KD, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        X[i, j] = eg_s[i] * (scale * do_s[i, j] * QS[i, j] - du_s[i, j] * KS[i, j])
+                    T.reduce_sum(X, rows, dim=1)
+                    T.copy(rows, dg_s)
+                    for i, j in T.Parallel(C, V):
+                        KS[i, j] = T.if_then_else(i < valid, v[t0 + i, ih, j], 0.0) - eg_s[i] * KS[i, j]
+                    T.copy(KS, u_s)
+                    T.gemm(a_s, u_s, VN, clear_accum=True)
+                    T.copy(VN, vn_s)
+                    for i, j in T.Parallel(C, V):
+                        X[i, j] = VN[i, j] * KD[i, j]
+                    T.reduce_sum(X, rows, dim=1)
+                    T.copy(rows, vk_s)
+
+                    # 2. the [C, C] products and the reductions over them
+                    T.gemm(do_s, vn_s, DP, transpose_B=True, clear_accum=True)
+                    T.gemm(du_s, vn_s, DN, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        G[i, j] = T.if_then_else(j <= i and i < valid, T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
+                    for i, j in T.Parallel(C, C):
+                        DP[i, j] = DP[i, j] * scale * G[i, j]  # dP ⊙ Γ
+                        DN[i, j] = T.if_then_else(j < i, -DN[i, j] * G[i, j], 0.0)  # dN ⊙ Γ
+                        R[i, j] = DP[i, j] * QK[i, j] + DN[i, j] * KK[i, j]  # dP ⊙ P + dN ⊙ N
+                        NN[i, j] = T.if_then_else(j < i, KK[i, j] * G[i, j], 0.0)
+                    T.copy(DP, dqk_s)
+                    T.copy(DN, dkk_s)
+                    T.copy(NN, n_s)
+                    T.reduce_sum(R, r_rows, dim=1)
+                    T.copy(r_rows, rr_s)
+                    T.reduce_sum(R, r_cols, dim=0)
+                    T.copy(r_cols, rc_s)
+
+                    # W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
+                    T.gemm(n_s, vn_s, QS, clear_accum=True)
+                    T.gemm(n_s, du_s, KD, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        X[i, j] = (T.if_then_else(i < valid, dv_new[t0 + i, ih, j], 0.0) - KD[i, j]) * (
+                            KS[i, j] - QS[i, j]
+                        )
+                    T.reduce_sum(X, rows, dim=1)
+                    for i in T.Parallel(C):
+                        if i < valid:
+                            dbeta[t0 + i, ih] = rows[i]
+
+                    # dγ and its reverse cumsum over the chunk
+                    at_last = 0.0
+                    for d in T.serial(K):
+                        at_last += sd_s[d]
+                    at_last = at_last * T.exp2(g_last * LOG2E)
+                    for i in T.serial(C):
+                        at_last += ed_s[i] * vk_s[i]
+                    for i in T.Parallel(C):
+                        dg_s[i] = (
+                            dg_s[i] + rr_s[i] - rc_s[i] - ed_s[i] * vk_s[i]
+                            + T.if_then_else(i == valid - 1, at_last, 0.0)
+                        )
+                    T.cumsum(dg_s, dim=0, reverse=True)
+                    for i in T.Parallel(C):
+                        if i < valid:
+                            dg[t0 + i, ih] = dg_s[i]
+
+                    # 3. dq += scale diag(e^γ) dO Sᵀ + (dP ⊙ Γ) K
+                    T.gemm(do_s, s_s, Y, transpose_B=True, clear_accum=True)
+                    for i, d in T.Parallel(C, K):
+                        DQ[i, d] = DQ[i, d] + Y[i, d] * (scale * eg_s[i])
+                    T.gemm(dqk_s, k_s, DQ)
+
+                    # dk += −diag(e^γ) dU Sᵀ + diag(e^{γ_L − γ}) v_new dS'ᵀ + (dP ⊙ Γ)ᵀ Q + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
+                    T.gemm(du_s, s_s, Y, transpose_B=True, clear_accum=True)
+                    T.gemm(vn_s, ds_s, Z, transpose_B=True, clear_accum=True)
+                    for i, d in T.Parallel(C, K):
+                        DK[i, d] = DK[i, d] + ed_s[i] * Z[i, d] - eg_s[i] * Y[i, d]
+                    T.gemm(dqk_s, q_s, DK, transpose_A=True)
+                    T.gemm(dkk_s, k_s, DK)
+                    T.gemm(dkk_s, k_s, DK, transpose_A=True)
+
+                T.copy(DQ, dq_s)
+                T.copy(DK, dk_s)
+                for i, d in T.Parallel(C, K):
+                    if i < valid:
+                        dq[t0 + i, ihk, d] = dq_s[i, d]
+                        dk[t0 + i, ihk, d] = dk_s[i, d]
+
+    return tilelang.compile(chunk_grads, target=profile.target)

@@ -1,0 +1,171 @@
+"""Fused chunked backward walk: the state gradient dS carried backward in time, giving dv.
+
+Computes, for every (sequence n, v-head h, V-tile) and chunk c of 64 tokens walked from
+the last to the first, with γ = g_cum, γ_L = γ of the chunk's last valid token, e^γ and
+e^{γ_L − γ} zero past the sequence's end, dS' the gradient of the state after the chunk
+(fp32, on chip for the whole walk; dht or 0 at the end) and P = Q Kᵀ ⊙ Γ ⊙ Lower:
+
+    dv_new = scale · Pᵀ dO + diag(e^{γ_L − γ}) K dS'            [C, BV]
+    dv     = Aᵀ dv_new                                          [C, BV]
+    dS    <- e^{γ_L} dS' + Qᵀ diag(scale · e^γ) dO − Kᵀ diag(e^γ) dv
+
+dv is the gradient of v: v enters only through U = V − diag(e^γ) K S and v_new = A U
+(flash_qla/reference/backward_stages.py has the whole derivation). The walk needs no
+forward state: dS' depends on S only through quantities it never reads. dO rows past the
+sequence's end are zeroed on load, so the rows of P and A that the tile reads from the
+next sequence meet zeros.
+
+Inputs (packed varlen, T tokens in all):
+    q, k     [T, Hqk, K]    input dtype; v-head h reads qk-head h // (Hv // Hqk)
+    do       [T, Hv, V]     input dtype, gradient of o
+    gamma    [Hv, slots, C] fp32, γ chunk-major (kkt_solve)
+    A, P     [T, Hv, C]     input dtype (kkt_solve)
+    cu_seqlens, chunk_offsets [N+1] int32
+    dht      [N, Hv, K, V]  fp32 (read when HAS_DHT)
+Outputs:
+    dh       [slots, Hv, K, V] fp32, dS' of every chunk (slot = global chunk index)
+    dv_new   [T, Hv, V]     input dtype
+    dv       [T, Hv, V]     input dtype
+    dh0      [N, Hv, K, V]  fp32 gradient of the initial state (written when STORE_DH0)
+
+Schedule: as fused_fwd, grid (V / BV, Hv, N), one block walks its sequence's chunks in
+reverse; T.Pipelined streams the tiles of the next (earlier) chunks through a TMA ring and
+TileLang warp-specializes a producer warpgroup and `fused_threads / 128` wgmma consumer
+warpgroups. dS stays in fp32 registers and is staged to shared memory in the input dtype
+once per chunk as the operand of K dS'.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from flash_qla.arch import ArchProfile
+
+LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=None)
+def fused_bwd_kernel(
+    Hqk: int,
+    Hv: int,
+    K: int,
+    V: int,
+    BV: int,
+    dtype: str,
+    profile: ArchProfile,
+    HAS_DHT: bool,
+    STORE_DH0: bool,
+):
+    """Compile (or load from TileLang's cache) the backward walk for one static config."""
+    C = profile.chunk
+    GROUPS = Hv // Hqk
+    NV = V // BV
+    accum = "float32"
+    tokens = T.dynamic("tokens")
+    n_seqs = T.dynamic("n_seqs")
+    n_dht = T.dynamic("n_dht")
+    n_dh0 = T.dynamic("n_dh0")
+    n_slots = T.dynamic("n_slots")
+
+    @T.prim_func
+    def fused_bwd(
+        q: T.Tensor([tokens, Hqk, K], dtype),
+        k: T.Tensor([tokens, Hqk, K], dtype),
+        do: T.Tensor([tokens, Hv, V], dtype),
+        gamma: T.Tensor([Hv, n_slots, C], accum),
+        A: T.Tensor([tokens, Hv, C], dtype),
+        P: T.Tensor([tokens, Hv, C], dtype),
+        cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
+        chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        dht: T.Tensor([n_dht, Hv, K, V], accum),
+        dh: T.Tensor([n_slots, Hv, K, V], accum),
+        dv_new: T.Tensor([tokens, Hv, V], dtype),
+        dv: T.Tensor([tokens, Hv, V], dtype),
+        dh0: T.Tensor([n_dh0, Hv, K, V], accum),
+        scale: T.float32,
+    ):
+        with T.Kernel(NV, Hv, n_seqs, threads=profile.fused_threads) as (iv, ih, n):
+            ihk = ih // GROUPS
+            v0 = iv * BV
+            bos = cu_seqlens[n]
+            seqlen = cu_seqlens[n + 1] - bos
+            first_chunk = chunk_offsets[n]
+            n_chunks = T.ceildiv(seqlen, C)
+
+            q_s = T.alloc_shared([C, K], dtype)
+            k_s = T.alloc_shared([C, K], dtype)
+            do_s = T.alloc_shared([C, BV], dtype)
+            a_s = T.alloc_shared([C, C], dtype)
+            p_s = T.alloc_shared([C, C], dtype)
+            gam_s = T.alloc_shared([C], accum)
+            ds_s = T.alloc_shared([K, BV], dtype)  # dS' in the input dtype, B operand
+            dom_s = T.alloc_shared([C, BV], dtype)  # scale · dO, zero past the end
+            doe_s = T.alloc_shared([C, BV], dtype)  # diag(scale · e^γ) dO
+            dvn_s = T.alloc_shared([C, BV], dtype)  # dv_new
+            due_s = T.alloc_shared([C, BV], dtype)  # −diag(e^γ) dv
+            dv_s = T.alloc_shared([C, BV], dtype)
+            eg_s = T.alloc_shared([C], accum)  # e^γ, 0 past the end
+            ed_s = T.alloc_shared([C], accum)  # e^{γ_L − γ}, 0 past the end
+
+            dS = T.alloc_fragment([K, BV], accum)
+            DVN = T.alloc_fragment([C, BV], accum)
+            KD = T.alloc_fragment([C, BV], accum)
+            DV = T.alloc_fragment([C, BV], accum)
+            g_last = T.alloc_var(accum)
+
+            if HAS_DHT:
+                T.copy(dht[n, ih, :, v0:v0 + BV], dS)
+            else:
+                T.clear(dS)
+
+            for r in T.Pipelined(n_chunks, num_stages=profile.num_stages):
+                c = n_chunks - 1 - r
+                t0 = bos + c * C
+                valid = T.min(C, seqlen - c * C)  # tokens of this chunk in the sequence
+                T.copy(q[t0:t0 + C, ihk, :], q_s)
+                T.copy(k[t0:t0 + C, ihk, :], k_s)
+                T.copy(do[t0:t0 + C, ih, v0:v0 + BV], do_s)
+                T.copy(A[t0:t0 + C, ih, :], a_s)
+                T.copy(P[t0:t0 + C, ih, :], p_s)
+                T.copy(gamma[ih, first_chunk + c, :], gam_s)
+
+                T.copy(dS, dh[first_chunk + c, ih, :, v0:v0 + BV])
+
+                g_last = gam_s[valid - 1]
+                for i in T.Parallel(C):
+                    eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
+                    ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
+                T.copy(dS, ds_s)
+                for i, j in T.Parallel(C, BV):
+                    dom_s[i, j] = T.if_then_else(i < valid, do_s[i, j] * scale, 0.0)
+                    doe_s[i, j] = do_s[i, j] * (scale * eg_s[i])
+
+                # dv_new = scale Pᵀ dO + diag(e^{γ_L − γ}) K dS'
+                T.gemm(p_s, dom_s, DVN, transpose_A=True, clear_accum=True)
+                T.gemm(k_s, ds_s, KD, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    DVN[i, j] = DVN[i, j] + KD[i, j] * ed_s[i]
+                T.copy(DVN, dvn_s)
+
+                # dv = Aᵀ dv_new
+                T.gemm(a_s, dvn_s, DV, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, BV):
+                    due_s[i, j] = -DV[i, j] * eg_s[i]
+                T.copy(DV, dv_s)
+
+                # dS <- e^{γ_L} dS' + Qᵀ diag(scale e^γ) dO − Kᵀ diag(e^γ) dv
+                for d, j in T.Parallel(K, BV):
+                    dS[d, j] = dS[d, j] * T.exp2(g_last * LOG2E)
+                T.gemm(q_s, doe_s, dS, transpose_A=True)
+                T.gemm(k_s, due_s, dS, transpose_A=True)
+
+                for i, j in T.Parallel(C, BV):
+                    if i < valid:
+                        dv_new[t0 + i, ih, v0 + j] = dvn_s[i, j]
+                        dv[t0 + i, ih, v0 + j] = dv_s[i, j]
+
+            if STORE_DH0:
+                T.copy(dS, dh0[n, ih, :, v0:v0 + BV])
+
+    return tilelang.compile(fused_bwd, target=profile.target)

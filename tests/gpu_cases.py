@@ -1,0 +1,76 @@
+"""Shared pieces of the GPU tests: the case table, its inputs on the GPU, and the error measure.
+
+Importing this module needs no GPU; only case_inputs does.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from flash_qla.reference.inputs import make_inputs
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    seqlens: tuple  # lengths of the packed sequences (B = 1) ...
+    dense: tuple = ()  # ... or (B, T) of a dense batch
+    heads: tuple = (16, 32)  # Hqk, Hv
+    dtype: torch.dtype = torch.bfloat16
+    h0: bool = False
+    gate: str = "model"  # model | weak | strong
+    extra: dict = field(default_factory=dict)
+
+
+def _short_seqlens(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(1, 90, (n,), generator=gen).tolist())
+
+
+CASES = [
+    Case("dense_B1_T256", (), dense=(1, 256)),
+    Case("dense_B2_T300_h0", (), dense=(2, 300), h0=True),
+    Case("varlen_edges_h0", (0, 1, 63, 64, 65, 0, 130, 1), heads=(4, 8), h0=True),
+    Case("varlen_many_short", _short_seqlens(150, 1), heads=(8, 32), h0=True),
+    Case("varlen_4096x8", (4096,) * 8, heads=(16, 32)),
+    Case("long_T32768", (32768,), heads=(16, 32)),
+    Case("long_T32768_weak_gate", (32768,), heads=(2, 8), gate="weak", h0=True),
+    Case("strong_gate", (1000, 3000), heads=(16, 32), gate="strong", h0=True),
+    Case("gva1_Hv4", (500, 700), heads=(4, 4), h0=True),
+    Case("gva8_Hv16", (777,), heads=(2, 16)),
+    Case("gva4_Hv32", (1024, 1), heads=(8, 32), h0=True),
+    Case("gva3_Hv48", (2048,), heads=(16, 48)),
+    Case("gva4_Hv64", (333, 2048), heads=(16, 64), h0=True),
+    Case("gva8_Hv64", (2000,), heads=(8, 64)),
+    Case("fp16_dense_B2", (), dense=(2, 1000), dtype=torch.float16, h0=True),
+    Case("fp16_varlen_edges", (0, 1, 63, 64, 65, 129), heads=(4, 8), dtype=torch.float16),
+    Case("scale_0.3", (300,), heads=(4, 8), extra={"scale": 0.3}),
+    Case("state_v_first", (200, 100), heads=(4, 8), h0=True, extra={"state_v_first": True}),
+    Case("qk_l2norm", (260,), heads=(4, 8), extra={"use_qk_l2norm_in_kernel": True}),
+]
+
+
+def case_inputs(case, seed):
+    """q, k, v, g, beta (dict, on the GPU), cu_seqlens (int32 or None) and a K-first h0 [N, Hv, K, V] or None."""
+    B, T = case.dense if case.dense else (1, sum(case.seqlens))
+    Hqk, Hv = case.heads
+    x = make_inputs(B, T, Hqk, Hv, 128, 128, dtype=case.dtype, device="cuda", seed=seed)
+    if case.gate == "weak":
+        x["g"] = -0.001 * (1 + 0.1 * torch.rand_like(x["g"]))
+    elif case.gate == "strong":  # A_log = log 16, dt = 0.1
+        x["g"] = -16 * F.softplus(torch.randn_like(x["g"]) + math.log(math.expm1(0.1)))
+    if case.extra.get("use_qk_l2norm_in_kernel"):
+        x["q"], x["k"] = x["q"] * 3, x["k"] * 0.5  # not unit norm: the kernel path must normalise
+    N = B if case.dense else len(case.seqlens)
+    cu = None
+    if not case.dense:
+        cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    h0 = torch.randn(N, Hv, 128, 128, device="cuda") if case.h0 else None
+    return x, cu, h0
+
+
+def rel_l2(x, ref):
+    """‖x − ref‖ / ‖ref‖ in float64."""
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()

@@ -1,0 +1,272 @@
+"""Gradients of the GPU path vs the fp32 PyTorch reference (skips without CUDA).
+
+What is checked, every kernel output poisoned with NaN first (an element the kernels never
+write fails the check):
+
+- test_gradients_match_reference: dq, dk, dv, dg, dbeta and dh0 of flash_qla.chunk_gated_delta_rule
+  (autograd, random upstream gradients of both o and final_state) against autograd through the
+  chunked reference in fp32 on the same rounded inputs, over the forward's case table plus a varlen
+  case whose sequences' first tokens have dg = 0. With use_qk_l2norm_in_kernel the gradients are
+  those of the raw, un-normalised q and k; with state_v_first those of the [N, Hv, V, K] states.
+- test_low_level_backward_matches_reference: flash_qla.chunk_gated_delta_rule_bwd, fed the kernel
+  forward's g_cum and A, against chunk_gated_delta_rule_bwd_ref.
+- test_backward_is_deterministic: two runs of one backward give bitwise-identical gradients.
+- test_training_matches_reference: a tiny GatedDeltaNet layer trained with the kernels and with the
+  reference on the GPU reaches the same loss, and the loss goes down.
+"""
+
+import itertools
+import math
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_qla
+from flash_qla.reference.chunked import _forward_from_gcum, chunk_gated_delta_rule_bwd_ref, chunk_local_cumsum
+from gpu_cases import CASES, Case, case_inputs, rel_l2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# The backward runs about twice the rounded tensor-core products of the forward (states recomputed,
+# dv_new, dU, dP, dN, each from bf16 operands), and dg is a reverse cumsum of differences of such
+# terms. The issue's bar for bf16 gradients is 1e-2 relative L2; fp16 rounds finer and takes it too.
+GRAD_TOL = 1e-2
+# Without an initial state a sequence's first token has dg = 0 exactly (its gate decays a zero
+# state; every other term cancels in the chunk's sum), so whatever the kernels return there is error.
+# Per token it must be no larger than the bar for dg as a whole: RMS over those tokens, relative to
+# the RMS of the reference dg over all tokens.
+FIRST_TOKEN_DG_TOL = GRAD_TOL
+
+GRAD_CASES = CASES + [
+    # 1-token sequences, chunk edges, no initial state: dg = 0 at every sequence's first token.
+    Case("varlen_first_token_dg", (1, 1, 200, 1, 64, 65, 1, 3, 1, 130), heads=(4, 8)),
+]
+
+
+def reference_gdr(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
+                  use_qk_l2norm_in_kernel=False, state_v_first=False):  # fmt: skip
+    """chunk_gated_delta_rule as differentiable fp32 PyTorch (the chunked reference), on any device.
+
+    Returns o and final_state in float32, final_state in the user's layout.
+    """
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+    if initial_state is not None:
+        initial_state = (initial_state.transpose(-1, -2) if state_v_first else initial_state).float()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    g_cum = chunk_local_cumsum(g, cu_seqlens)
+    _, o, _, final_state = _forward_from_gcum(q, k, v, g_cum, beta, scale, initial_state, cu_seqlens)
+    return o, (final_state.transpose(-1, -2) if state_v_first else final_state)
+
+
+def flash_qla_gdr(**kwargs):
+    return flash_qla.chunk_gated_delta_rule(**kwargs, output_final_state=True)
+
+
+def _randn(shape, dtype, seed):
+    """Seeded standard normal noise on the GPU (upstream gradients)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, generator=gen, device="cuda").to(dtype)
+
+
+def _num_seqs(case):
+    return case.dense[0] if case.dense else len(case.seqlens)
+
+
+def _first_tokens(case):
+    """Flat token index of every non-empty sequence's first token."""
+    if case.dense:
+        B, T = case.dense
+        return torch.arange(B) * T
+    starts = itertools.accumulate(case.seqlens, initial=0)
+    return torch.tensor([start for start, n in zip(starts, case.seqlens) if n > 0])
+
+
+def _grads(gdr, inputs, do, dht, **options):
+    """{"dq", "dk", ...}: autograd of gdr's (o, final_state) w.r.t. every tensor in inputs."""
+    leaves = {name: x.detach().clone().requires_grad_() for name, x in inputs.items()}
+    o, final_state = gdr(**leaves, **options)
+    grads = torch.autograd.grad([o, final_state], list(leaves.values()), [do.to(o.dtype), dht])
+    return {"dh0" if name == "initial_state" else "d" + name: grad for name, grad in zip(leaves, grads)}
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=[c.id for c in GRAD_CASES])
+def test_gradients_match_reference(case, poisoned):
+    seed = zlib.crc32(case.id.encode())
+    x, cu, h0 = case_inputs(case, seed)
+    options = {
+        "scale": case.extra.get("scale"),
+        "cu_seqlens": cu,
+        "state_v_first": case.extra.get("state_v_first", False),
+        "use_qk_l2norm_in_kernel": case.extra.get("use_qk_l2norm_in_kernel", False),
+    }
+    inputs = dict(x)
+    if h0 is not None:  # in the user's layout, so dh0 is too
+        inputs["initial_state"] = h0.transpose(-1, -2).contiguous() if options["state_v_first"] else h0
+    Hv = case.heads[1]
+    do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
+    dht = _randn((_num_seqs(case), Hv, 128, 128), torch.float32, seed + 2)
+
+    got = _grads(flash_qla_gdr, inputs, do, dht, **options)
+    want = _grads(reference_gdr, {name: t.float() for name, t in inputs.items()}, do, dht, **options)
+
+    errors = {name: rel_l2(got[name], want[name]) for name in want}
+    if h0 is None:  # the first tokens' dg is exactly 0
+        first = _first_tokens(case).to(x["g"].device)
+        dg, dg_ref = got["dg"].flatten(0, 1), want["dg"].flatten(0, 1)
+        rms = (dg_ref.double().norm() / math.sqrt(dg_ref.shape[0])).item()
+        errors["dg_first_token"] = (dg[first] - dg_ref[first]).double().norm().item() / math.sqrt(len(first)) / rms
+    print(case.id, {name: f"{err:.2e}" for name, err in errors.items()})
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        assert torch.isfinite(got[name]).all(), f"{name} has unwritten (NaN) or non-finite elements"
+    assert all(err <= GRAD_TOL for name, err in errors.items() if name != "dg_first_token"), errors
+    assert errors.get("dg_first_token", 0) <= FIRST_TOKEN_DG_TOL, errors
+
+
+LOW_LEVEL = [  # (case, pass dht): varlen edges with h0, GVA 4, fp16 dense with h0, fp16 varlen without dht
+    (next(c for c in CASES if c.id == case_id), with_dht)
+    for case_id, with_dht in [
+        ("varlen_edges_h0", True), ("gva4_Hv64", True), ("fp16_dense_B2", True), ("fp16_varlen_edges", False),
+    ]
+]
+
+
+@pytest.mark.parametrize("case,with_dht", LOW_LEVEL, ids=[f"{c.id}-{'dht' if d else 'no_dht'}" for c, d in LOW_LEVEL])
+def test_low_level_backward_matches_reference(case, with_dht, poisoned):
+    """dq, dk, dv, dbeta, dg, dh0 of chunk_gated_delta_rule_bwd (g_cum, A from the kernel forward) vs the reference."""
+    seed = zlib.crc32(case.id.encode()) + 1
+    x, cu, h0 = case_inputs(case, seed)
+    Hv = case.heads[1]
+    do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
+    dht = _randn((_num_seqs(case), Hv, 128, 128), torch.float32, seed + 2) if with_dht else None
+
+    g_cum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu)
+    got = flash_qla.chunk_gated_delta_rule_bwd(
+        x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu
+    )
+    q, k, v, beta = (x[name].float() for name in ("q", "k", "v", "beta"))
+    want = chunk_gated_delta_rule_bwd_ref(
+        q, k, v, chunk_local_cumsum(x["g"], cu), beta, do.float(), dht, initial_state=h0, cu_seqlens=cu
+    )
+
+    names = ("dq", "dk", "dv", "dbeta", "dg", "dh0")
+    dtypes = (x["q"].dtype, x["k"].dtype, x["v"].dtype, x["beta"].dtype, torch.float32, torch.float32)
+    errors = {name: rel_l2(g, w) for name, g, w in zip(names, got, want) if w is not None}
+    print(case.id, {name: f"{err:.2e}" for name, err in errors.items()})
+    assert (got[5] is None) == (h0 is None)
+    for name, g, w, dtype in zip(names, got, want, dtypes):
+        if w is None:
+            continue
+        assert g.shape == w.shape and g.dtype == dtype, (name, g.shape, g.dtype)
+        assert torch.isfinite(g).all(), f"{name} has unwritten (NaN) or non-finite elements"
+    assert all(err <= GRAD_TOL for err in errors.values()), errors
+
+
+def test_backward_is_deterministic():
+    """GVA (4 v-heads per qk-head, dq and dk summed over them), varlen, h0 and dht: bitwise repeatable."""
+    case = next(c for c in CASES if c.id == "gva4_Hv64")
+    x, cu, h0 = case_inputs(case, seed=3)
+    do = _randn(x["v"].shape, x["v"].dtype, 4)
+    dht = _randn((_num_seqs(case), case.heads[1], 128, 128), torch.float32, 5)
+    g_cum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu)
+
+    def backward():
+        return flash_qla.chunk_gated_delta_rule_bwd(
+            x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu
+        )
+
+    first, second = backward(), backward()
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), first, second):
+        assert torch.equal(a, b), name
+
+
+# ---- training smoke test ------------------------------------------------------------------------
+
+# A smoke test: it catches what breaks training (non-finite values, gross errors in o or in the
+# gradients of the projections), not small errors, which the tests above pin per gradient. Measured
+# with the reference alone (CPU, fp32): 300 Adam steps take the loss from 2.07 to 0.061; 1 % relative
+# noise on o and on every input gradient (a few times the forward kernels' measured rounding) moves
+# the final loss by 0.4 %; even zeroing dg or dbeta moves it by only 3 % and 5 %. Bar: the issue's
+# suggested 5 %.
+TRAIN_LOSS_RTOL = 0.05
+TRAIN_MIN_DECREASE = 10  # initial / final loss; measured 34
+TRAIN_STEPS = 300
+TRAIN_SEQLENS = (700, 1, 300, 1047)  # packed, T = 2048
+
+
+class TinyGatedDeltaNet(torch.nn.Module):
+    """A GatedDeltaNet token mixer: q/k/v/a/b projections -> Gated Delta Rule -> output projection.
+
+    q and k are L2-normalised by the rule (use_qk_l2norm_in_kernel), g = -exp(A_log) * softplus(a +
+    dt_bias), beta = sigmoid(b); q, k, v and beta enter the rule in bf16, g in fp32.
+    """
+
+    def __init__(self, hidden=256, heads=(2, 4), head_dim=128):
+        super().__init__()
+        Hqk, Hv = heads
+        self.heads, self.head_dim = heads, head_dim
+        self.q_proj = torch.nn.Linear(hidden, Hqk * head_dim, bias=False)
+        self.k_proj = torch.nn.Linear(hidden, Hqk * head_dim, bias=False)
+        self.v_proj = torch.nn.Linear(hidden, Hv * head_dim, bias=False)
+        self.a_proj = torch.nn.Linear(hidden, Hv, bias=False)
+        self.b_proj = torch.nn.Linear(hidden, Hv, bias=False)
+        self.A_log = torch.nn.Parameter(torch.empty(Hv).uniform_(0, math.log(16)))
+        dt = torch.empty(Hv).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+        self.dt_bias = torch.nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+        self.o_proj = torch.nn.Linear(Hv * head_dim, hidden, bias=False)
+
+    def forward(self, x, cu_seqlens, gdr):
+        """x [1, T, hidden] float32 -> [1, T, hidden]; gdr is flash_qla.chunk_gated_delta_rule or reference_gdr."""
+        T = x.shape[1]
+        (Hqk, Hv), D = self.heads, self.head_dim
+        q = self.q_proj(x).view(1, T, Hqk, D).bfloat16()
+        k = self.k_proj(x).view(1, T, Hqk, D).bfloat16()
+        v = self.v_proj(x).view(1, T, Hv, D).bfloat16()
+        g = -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)  # [1, T, Hv] float32
+        beta = self.b_proj(x).sigmoid().bfloat16()
+        o, _ = gdr(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+        return self.o_proj(o.float().reshape(1, T, Hv * D))
+
+
+def train(gdr, x, cu_seqlens, target, steps=TRAIN_STEPS, lr=1e-3, seed=0):
+    """Losses (normalised MSE to target) of a TinyGatedDeltaNet trained with Adam from a fixed init."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TinyGatedDeltaNet().to(x.device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = (model(x, cu_seqlens, gdr) - target).pow(2).mean() / target.pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def teacher_data(seqlens=TRAIN_SEQLENS, hidden=256, device="cuda"):
+    """Fixed inputs x [1, T, hidden], cu_seqlens and the targets of a fixed random teacher layer."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        teacher = TinyGatedDeltaNet(hidden).to(device)
+        x = torch.randn(1, sum(seqlens), hidden).to(device)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        target = teacher(x, cu_seqlens, reference_gdr)
+    return x, cu_seqlens, target
+
+
+def test_training_matches_reference(poisoned):
+    x, cu_seqlens, target = teacher_data()
+    kernel_losses = train(flash_qla.chunk_gated_delta_rule, x, cu_seqlens, target)
+    reference_losses = train(reference_gdr, x, cu_seqlens, target)
+    final = {"kernels": kernel_losses[-1], "reference": reference_losses[-1]}
+    print("training", {"initial": f"{reference_losses[0]:.3f}", **{name: f"{v:.4f}" for name, v in final.items()}})
+    assert math.isfinite(final["kernels"])
+    assert abs(final["kernels"] - final["reference"]) <= TRAIN_LOSS_RTOL * final["reference"], final
+    assert reference_losses[0] >= TRAIN_MIN_DECREASE * final["reference"], (reference_losses[0], final)
+    assert kernel_losses[0] >= TRAIN_MIN_DECREASE * final["kernels"], (kernel_losses[0], final)

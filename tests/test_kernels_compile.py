@@ -25,6 +25,7 @@ KERNELS = [
     ("fused_fwd_bv64_h0_h", fused_fwd_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
     ("fused_fwd_bv32_fp16", fused_fwd_kernel, (4, 8, 128, 128, 32, "float16", SM90, False, False), ("wgmma", "tma_load")),
     ("kkt_solve_backward_mode", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, True), ("wgmma",)),
+    ("fused_fwd_states_only", fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True, True), ("wgmma", "tma_load")),
     ("fused_bwd_bv32_dht_dh0", fused_bwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
     ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma",)),
 ]
@@ -46,6 +47,9 @@ def test_precompile_lists_every_forward_kernel():
 
 def test_precompile_lists_every_backward_kernel():
     builds = backward_kernel_builds(SM90, 16, 32, "bfloat16")
-    assert {f.__name__ for f, _ in builds} == {"kkt_solve_kernel", "fused_bwd_kernel", "chunk_grads_kernel"}
-    # kkt_solve in backward mode, the walk for both V-tile widths with and without dht / dh0, chunk_grads
-    assert len(builds) == 1 + 2 * 2 * 2 + 1
+    assert {f.__name__ for f, _ in builds} == {
+        "kkt_solve_kernel", "fused_fwd_kernel", "fused_bwd_kernel", "chunk_grads_kernel"
+    }
+    # kkt_solve in backward mode; for both V-tile widths the states-only forward walk with and
+    # without h0 and the backward walk with and without dht / dh0; chunk_grads
+    assert len(builds) == 1 + 2 * (2 + 2 * 2) + 1

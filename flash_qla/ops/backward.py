@@ -3,8 +3,9 @@
 Reads like flash_qla/reference/backward_stages.py:
   1. kkt_solve (backward mode): P = Q Kᵀ ⊙ Γ ⊙ Lower and chunk-major γ from g_cum; A is
      the forward's (kept, not recomputed);
-  2. fused_fwd with STORE_H: the states S at every chunk start, recomputed (cheaper than
-     keeping them from the forward: [chunks, Hv, K, V] fp32 is 32x the size of A);
+  2. fused_fwd, STATES_ONLY: the states S at every chunk start, recomputed in the input
+     dtype (cheaper than keeping them from the forward: [chunks, Hv, K, V] is 16x the
+     size of A, and the forward would write them whether or not a backward follows);
   3. fused_bwd: the state gradients dS' walked backward in time, dv, dv_new, dh0;
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel.
@@ -54,16 +55,17 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, True)
     kkt(q, k, g_cum, beta, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)
 
-    # 2. states at every chunk start (o and the final state are by-products)
+    # 2. states at every chunk start (the final state is a by-product; o is not computed)
     BV = choose_block_v(N, Hv, V, profile)
-    h = buffers.new((slots, Hv, K, V), f32, q.device)
+    h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
     h0 = placeholder if initial_state is None else initial_state.contiguous()
-    fused = fused_fwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True)
-    o, ht = torch.empty_like(v), torch.empty(N, Hv, K, V, dtype=f32, device=q.device)
-    fused(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, o, ht, h, scale)
+    fused = fused_fwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True, True)
+    o_unused = torch.empty_like(v)  # shape-checked, never written in STATES_ONLY
+    ht = torch.empty(N, Hv, K, V, dtype=f32, device=q.device)
+    fused(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, o_unused, ht, h, scale)
 
     # 3. state gradients, backward in time
-    dh = buffers.new((slots, Hv, K, V), f32, q.device)
+    dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
     dv_new, dv = buffers.new(v.shape, v.dtype, q.device), buffers.new(v.shape, v.dtype, q.device)
     has_dht, has_h0 = dht is not None, initial_state is not None
     dht = dht.to(f32).contiguous() if has_dht else placeholder
@@ -93,6 +95,8 @@ def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, 
     """Every (factory, args) the backward compiles for one head layout, beyond the forward's."""
     builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, True))]
     for bv in (64, 32):
+        for has_h0 in (False, True):
+            builds.append((fused_fwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_h0, True, True)))
         for has_dht in (False, True):
             for store_dh0 in (False, True):
                 builds.append((fused_bwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_dht, store_dh0)))

@@ -1,10 +1,10 @@
 """Chunk-parallel gradients: dq, dk, dβ and dg of every chunk, from the two state walks.
 
-Computes, for every chunk of 64 tokens and v-head h (summing dq, dk over the v-heads of a
-qk-head), with S the forward state at the
-chunk's start (fused_fwd), dS' the gradient of the state after it, dv_new and dU = dv
-(fused_bwd), γ = g_cum, e^γ and e^{γ_L − γ} zero past the sequence's end,
-Γ_ij = e^{γ_i − γ_j} on and below the diagonal of the valid rows, 0 elsewhere:
+Computes, for every chunk of 64 tokens and v-head h (dq and dk summed over the v-heads
+of a qk-head), with S the forward state at the chunk's start (fused_fwd), dS' the
+gradient of the state after it, dv_new and dU = dv (fused_bwd), γ = g_cum, e^γ and
+e^{γ_L − γ} zero past the sequence's end, Γ_ij = e^{γ_i − γ_j} on and below the diagonal
+of the valid rows, 0 elsewhere:
 
     U  = V − diag(e^γ) K S,   v_new = A U                        (recomputed, [C, V])
     N  = K Kᵀ ⊙ Γ ⊙ StrictLower,  P = Q Kᵀ ⊙ Γ                   [C, C]
@@ -20,11 +20,14 @@ chunk's start (fused_fwd), dS' the gradient of the state after it, dv_new and dU
 
 flash_qla/reference/backward_stages.py derives these and checks them against autograd.
 dβ needs neither β nor the inverse again: A = diag(β) (I + N diag(β))⁻¹, so the
-gradient of N is −dU v_newᵀ and (I + N diag(β))⁻¹ U = U − N v_new. Every reduction (dγ,
-dβ, ⟨S, dS'⟩) is taken in fp32 from fp32 accumulators; only the operands of the
-tensor-core products are rounded to the input dtype. dq and dk of a qk-head sum over its
-v-heads in fp32 registers, in a fixed order (deterministic, no atomics), and are rounded
-once when stored.
+gradient of N is −dU v_newᵀ and (I + N diag(β))⁻¹ U = U − N v_new.
+
+Precision: every reduction (dγ, dβ, ⟨S, dS'⟩) sums in fp32; only the operands of the
+tensor-core products are rounded to the input dtype (S and dS' arrive rounded so). dq and
+dk of a qk-head sum over its v-heads in fp32 registers in a fixed order (deterministic,
+no atomics) and are rounded once when stored. Rows past the sequence's end (last chunk)
+hold the next sequence's finite data and only ever meet zero factors (e^γ, e^{γ_L − γ},
+Γ, the zero upper triangle of A), so tiles are loaded unmasked.
 
 Inputs (packed varlen, T tokens in all):
     q, k       [T, Hqk, K]   input dtype
@@ -32,19 +35,21 @@ Inputs (packed varlen, T tokens in all):
     dv_new, dv [T, Hv, V]    input dtype (fused_bwd)
     A          [T, Hv, C]    input dtype (forward)
     gamma      [Hv, slots, C] fp32 γ chunk-major (kkt_solve)
-    h, dh      [slots, Hv, K, V] fp32: S and dS' of every chunk (slot = global chunk index)
+    h, dh      [slots, Hv, K, V] input dtype: S and dS' of every chunk (slot = global chunk
+               index), as the tensor-core products read them
     cu_seqlens, chunk_offsets [N+1] int32
     chunk_seq  [slots] int32, the sequence of each global chunk (any value past the last)
 Outputs:
     dq, dk     [T, Hqk, K]   input dtype
     dbeta, dg  [T, Hv]       fp32
 
-Schedule: grid (chunk slots, Hqk), `grads_threads` threads (two warpgroups); slots past the
-last chunk exit at once. A block loads q and k and forms Q Kᵀ and K Kᵀ once, then walks
-the Hv / Hqk v-heads of its qk-head, accumulating dq and dk. Every product runs on wgmma with fp32 accumulators;
-operands live in shared memory (S and dS' in the input dtype, 32 KB each). Three phases
-keep few accumulators live: products with S (K S, Q S, K dS', v_new); the [C, C] products
-(Q Kᵀ, K Kᵀ, dP, dN, N v_new, Nᵀ dU) with the reductions; then dq and dk.
+Schedule: grid (chunk slots, Hqk), `grads_threads` threads (two warpgroups); slots past
+the last chunk exit at once. A block loads q and k and forms Q Kᵀ and K Kᵀ once, then
+walks the Hv / Hqk v-heads of its qk-head, accumulating dq and dk. Per v-head its tiles
+(A, v, dO, dv, dv_new, S, dS') are loaded into shared memory up front, and every
+product runs on wgmma with fp32 accumulators, in three phases that keep few accumulators
+live: products with S (K S, Q S, K dS', v_new); the [C, C] products (dP, dN, N v_new,
+Nᵀ dU) with the reductions; then dq and dk.
 """
 
 import functools
@@ -62,6 +67,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     """Compile (or load from TileLang's cache) the chunk gradients for one static config."""
     C = profile.chunk
     GROUPS = Hv // Hqk
+    assert K % C == 0, "⟨S, dS'⟩ folds K rows onto C"
     accum = "float32"
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
@@ -77,8 +83,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
         dv: T.Tensor([tokens, Hv, V], dtype),
         A: T.Tensor([tokens, Hv, C], dtype),
         gamma: T.Tensor([Hv, n_slots, C], accum),
-        h: T.Tensor([n_slots, Hv, K, V], accum),
-        dh: T.Tensor([n_slots, Hv, K, V], accum),
+        h: T.Tensor([n_slots, Hv, K, V], dtype),
+        dh: T.Tensor([n_slots, Hv, K, V], dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         chunk_seq: T.Tensor([n_slots], "int32"),
@@ -92,9 +98,10 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
         with T.Kernel(slots, Hqk, threads=profile.grads_threads) as (slot, ihk):
             q_s = T.alloc_shared([C, K], dtype)
             k_s = T.alloc_shared([C, K], dtype)
-            do_s = T.alloc_shared([C, V], dtype)  # dO, zero past the end
-            du_s = T.alloc_shared([C, V], dtype)  # dU = dv, zero past the end
-            u_s = T.alloc_shared([C, V], dtype)
+            do_s = T.alloc_shared([C, V], dtype)  # dO
+            du_s = T.alloc_shared([C, V], dtype)  # dU = dv
+            u_s = T.alloc_shared([C, V], dtype)  # V, then U
+            dvn_s = T.alloc_shared([C, V], dtype)  # dv_new
             vn_s = T.alloc_shared([C, V], dtype)  # v_new
             a_s = T.alloc_shared([C, C], dtype)
             n_s = T.alloc_shared([C, C], dtype)  # N
@@ -109,12 +116,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             rr_s = T.alloc_shared([C], accum)  # rowsum(R)
             rc_s = T.alloc_shared([C], accum)  # colsum(R)
             vk_s = T.alloc_shared([C], accum)  # ⟨v_new_i, (K dS')_i⟩
-            sd_s = T.alloc_shared([K], accum)  # rows of ⟨S, dS'⟩
-            dq_s = T.alloc_shared([C, K], dtype)
-            dk_s = T.alloc_shared([C, K], dtype)
+            sd_s = T.alloc_shared([C], accum)  # partial sums of ⟨S, dS'⟩
 
-            SF = T.alloc_fragment([K, V], accum)
-            DSF = T.alloc_fragment([K, V], accum)
             KS = T.alloc_fragment([C, V], accum)  # K S, then U
             QS = T.alloc_fragment([C, V], accum)  # Q S, then N v_new
             KD = T.alloc_fragment([C, V], accum)  # K dS', then Nᵀ dU
@@ -134,7 +137,6 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             rows = T.alloc_fragment([C], accum)  # row sums of [C, V] tiles
             r_rows = T.alloc_fragment([C], accum)
             r_cols = T.alloc_fragment([C], accum)
-            srows = T.alloc_fragment([K], accum)
             seq = T.alloc_var("int32")
             t0 = T.alloc_var("int32")
             valid = T.alloc_var("int32")
@@ -155,24 +157,25 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                 for hg in T.serial(GROUPS):
                     ih = ihk * GROUPS + hg
                     T.copy(A[t0:t0 + C, ih, :], a_s)
-                    for i, j in T.Parallel(C, V):
-                        do_s[i, j] = T.if_then_else(i < valid, do[t0 + i, ih, j], 0.0)
-                        du_s[i, j] = T.if_then_else(i < valid, dv[t0 + i, ih, j], 0.0)
+                    T.copy(v[t0:t0 + C, ih, :], u_s)
+                    T.copy(do[t0:t0 + C, ih, :], do_s)
+                    T.copy(dv[t0:t0 + C, ih, :], du_s)
+                    T.copy(dv_new[t0:t0 + C, ih, :], dvn_s)
+                    T.copy(h[slot, ih, :, :], s_s)
+                    T.copy(dh[slot, ih, :, :], ds_s)
                     T.copy(gamma[ih, slot, :], gam_s)
                     g_last = gam_s[valid - 1]
                     for i in T.Parallel(C):
                         eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
                         ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
 
-                    # ⟨S, dS'⟩ in fp32; S and dS' to shared memory as operands
-                    T.copy(h[slot, ih, :, :], SF)
-                    T.copy(dh[slot, ih, :, :], DSF)
-                    T.copy(SF, s_s)
-                    T.copy(DSF, ds_s)
-                    for d, j in T.Parallel(K, V):
-                        SF[d, j] = SF[d, j] * DSF[d, j]
-                    T.reduce_sum(SF, srows, dim=1)
-                    T.copy(srows, sd_s)
+                    # ⟨S, dS'⟩, summed in fp32: K rows folded onto the C rows of X
+                    T.clear(X)
+                    for b in T.unroll(K // C):
+                        for i, j in T.Parallel(C, V):
+                            X[i, j] = X[i, j] + s_s[b * C + i, j] * ds_s[b * C + i, j]
+                    T.reduce_sum(X, rows, dim=1)
+                    T.copy(rows, sd_s)
 
                     # 1. products with the states; U, v_new
                     T.gemm(k_s, s_s, KS, clear_accum=True)
@@ -183,7 +186,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.reduce_sum(X, rows, dim=1)
                     T.copy(rows, dg_s)
                     for i, j in T.Parallel(C, V):
-                        KS[i, j] = T.if_then_else(i < valid, v[t0 + i, ih, j], 0.0) - eg_s[i] * KS[i, j]
+                        KS[i, j] = u_s[i, j] - eg_s[i] * KS[i, j]
                     T.copy(KS, u_s)
                     T.gemm(a_s, u_s, VN, clear_accum=True)
                     T.copy(VN, vn_s)
@@ -214,9 +217,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.gemm(n_s, vn_s, QS, clear_accum=True)
                     T.gemm(n_s, du_s, KD, transpose_A=True, clear_accum=True)
                     for i, j in T.Parallel(C, V):
-                        X[i, j] = (T.if_then_else(i < valid, dv_new[t0 + i, ih, j], 0.0) - KD[i, j]) * (
-                            KS[i, j] - QS[i, j]
-                        )
+                        X[i, j] = (dvn_s[i, j] - KD[i, j]) * (KS[i, j] - QS[i, j])
                     T.reduce_sum(X, rows, dim=1)
                     for i in T.Parallel(C):
                         if i < valid:
@@ -224,7 +225,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
 
                     # dγ and its reverse cumsum over the chunk
                     at_last = 0.0
-                    for d in T.serial(K):
+                    for d in T.serial(C):
                         at_last += sd_s[d]
                     at_last = at_last * T.exp2(g_last * LOG2E)
                     for i in T.serial(C):
@@ -254,11 +255,9 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.gemm(dkk_s, k_s, DK)
                     T.gemm(dkk_s, k_s, DK, transpose_A=True)
 
-                T.copy(DQ, dq_s)
-                T.copy(DK, dk_s)
                 for i, d in T.Parallel(C, K):
                     if i < valid:
-                        dq[t0 + i, ihk, d] = dq_s[i, d]
-                        dk[t0 + i, ihk, d] = dk_s[i, d]
+                        dq[t0 + i, ihk, d] = DQ[i, d]
+                        dk[t0 + i, ihk, d] = DK[i, d]
 
     return tilelang.compile(chunk_grads, target=profile.target)

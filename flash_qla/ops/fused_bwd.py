@@ -23,7 +23,8 @@ Inputs (packed varlen, T tokens in all):
     cu_seqlens, chunk_offsets [N+1] int32
     dht      [N, Hv, K, V]  fp32 (read when HAS_DHT)
 Outputs:
-    dh       [slots, Hv, K, V] fp32, dS' of every chunk (slot = global chunk index)
+    dh       [slots, Hv, K, V] input dtype, dS' of every chunk (slot = global chunk index),
+                            rounded as chunk_grads uses it: as a tensor-core operand
     dv_new   [T, Hv, V]     input dtype
     dv       [T, Hv, V]     input dtype
     dh0      [N, Hv, K, V]  fp32 gradient of the initial state (written when STORE_DH0)
@@ -79,7 +80,7 @@ def fused_bwd_kernel(
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         dht: T.Tensor([n_dht, Hv, K, V], accum),
-        dh: T.Tensor([n_slots, Hv, K, V], accum),
+        dh: T.Tensor([n_slots, Hv, K, V], dtype),
         dv_new: T.Tensor([tokens, Hv, V], dtype),
         dv: T.Tensor([tokens, Hv, V], dtype),
         dh0: T.Tensor([n_dh0, Hv, K, V], accum),
@@ -130,13 +131,12 @@ def fused_bwd_kernel(
                 T.copy(P[t0:t0 + C, ih, :], p_s)
                 T.copy(gamma[ih, first_chunk + c, :], gam_s)
 
-                T.copy(dS, dh[first_chunk + c, ih, :, v0:v0 + BV])
-
                 g_last = gam_s[valid - 1]
                 for i in T.Parallel(C):
                     eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
                     ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
                 T.copy(dS, ds_s)
+                T.copy(ds_s, dh[first_chunk + c, ih, :, v0:v0 + BV])
                 for i, j in T.Parallel(C, BV):
                     dom_s[i, j] = T.if_then_else(i < valid, do_s[i, j] * scale, 0.0)
                     doe_s[i, j] = do_s[i, j] * (scale * eg_s[i])

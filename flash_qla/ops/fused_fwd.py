@@ -31,7 +31,8 @@ Inputs (packed varlen, T tokens in all; `cu_seqlens` [N+1] int32):
 Outputs:
     o        [T, Hv, V]    input dtype
     ht       [N, Hv, K, V] fp32 final state
-    h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H)
+    h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H;
+                           input dtype and o not written when STATES_ONLY)
 
 Schedule: grid (V / BV, Hv, N), one block walks its sequence's chunks in order.
 T.Pipelined streams the q/k/v/A/P/γ tiles of the next chunks through a `num_stages`-deep
@@ -65,8 +66,16 @@ def fused_fwd_kernel(
     profile: ArchProfile,
     HAS_H0: bool,
     STORE_H: bool,
+    STATES_ONLY: bool = False,
 ):
-    """Compile (or load from TileLang's cache) the fused forward for one static config."""
+    """Compile (or load from TileLang's cache) the fused forward for one static config.
+
+    STATES_ONLY is the backward's recompute: the walk stores h (in the input dtype, the
+    precision its consumers read it in) and the final state, and skips o (no q or P loads,
+    no Q S or P v_new products).
+    """
+    assert STORE_H or not STATES_ONLY, "STATES_ONLY stores h"
+    h_dtype = dtype if STATES_ONLY else "float32"
     C = profile.chunk
     GROUPS = Hv // Hqk
     NV = V // BV
@@ -90,7 +99,7 @@ def fused_fwd_kernel(
         h0: T.Tensor([n_h0, Hv, K, V], accum),
         o: T.Tensor([tokens, Hv, V], dtype),
         ht: T.Tensor([n_seqs, Hv, K, V], accum),
-        h: T.Tensor([n_chunks, Hv, K, V], accum),
+        h: T.Tensor([n_chunks, Hv, K, V], h_dtype),
         scale: T.float32,
     ):
         with T.Kernel(NV, Hv, n_seqs, threads=profile.fused_threads) as (iv, ih, n):
@@ -128,14 +137,15 @@ def fused_fwd_kernel(
             for c in T.Pipelined(T.ceildiv(seqlen, C), num_stages=profile.num_stages):
                 t0 = bos + c * C
                 valid = T.min(C, seqlen - c * C)  # tokens of this chunk in the sequence
-                T.copy(q[t0:t0 + C, ihk, :], q_s)
+                if not STATES_ONLY:
+                    T.copy(q[t0:t0 + C, ihk, :], q_s)
+                    T.copy(P[t0:t0 + C, ih, :], p_s)
                 T.copy(k[t0:t0 + C, ihk, :], k_s)
                 T.copy(v[t0:t0 + C, ih, v0:v0 + BV], v_s)
                 T.copy(A[t0:t0 + C, ih, :], a_s)
-                T.copy(P[t0:t0 + C, ih, :], p_s)
                 T.copy(gamma[ih, first_chunk + c, :], gam_s)
 
-                if STORE_H:
+                if STORE_H and not STATES_ONLY:
                     T.copy(S, h[first_chunk + c, ih, :, v0:v0 + BV])
 
                 g_last = gam_s[valid - 1]
@@ -143,30 +153,35 @@ def fused_fwd_kernel(
                     eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
                     ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
                 T.copy(S, s_s)
+                if STATES_ONLY:
+                    T.copy(s_s, h[first_chunk + c, ih, :, v0:v0 + BV])
 
                 # inter-chunk terms against the state at the chunk's start
-                T.gemm(q_s, s_s, O, clear_accum=True)
+                if not STATES_ONLY:
+                    T.gemm(q_s, s_s, O, clear_accum=True)
                 T.gemm(k_s, s_s, W, clear_accum=True)
                 for i, j in T.Parallel(C, BV):
                     u_s[i, j] = v_s[i, j] - W[i, j] * eg_s[i]
-                for i, j in T.Parallel(C, BV):
-                    O[i, j] = O[i, j] * eg_s[i]
                 T.gemm(a_s, u_s, VN, clear_accum=True)
-                T.copy(VN, vn_s)
                 for i, j in T.Parallel(C, BV):
                     vd_s[i, j] = VN[i, j] * ed_s[i]
-                T.gemm(p_s, vn_s, O)
+                if not STATES_ONLY:
+                    for i, j in T.Parallel(C, BV):
+                        O[i, j] = O[i, j] * eg_s[i]
+                    T.copy(VN, vn_s)
+                    T.gemm(p_s, vn_s, O)
 
                 # state update  S <- e^{γ_L} S + Kᵀ diag(e^{γ_L − γ}) v_new
                 for d, j in T.Parallel(K, BV):
                     S[d, j] = S[d, j] * T.exp2(g_last * LOG2E)
                 T.gemm(k_s, vd_s, S, transpose_A=True)
 
-                for i, j in T.Parallel(C, BV):
-                    o_s[i, j] = O[i, j] * scale
-                for i, j in T.Parallel(C, BV):
-                    if i < valid:
-                        o[t0 + i, ih, v0 + j] = o_s[i, j]
+                if not STATES_ONLY:
+                    for i, j in T.Parallel(C, BV):
+                        o_s[i, j] = O[i, j] * scale
+                    for i, j in T.Parallel(C, BV):
+                        if i < valid:
+                            o[t0 + i, ih, v0 + j] = o_s[i, j]
 
             T.copy(S, ht[n, ih, :, v0:v0 + BV])
 

@@ -1,4 +1,4 @@
-"""CPU checks of the forward's host-side logic: chunk bookkeeping, V-tile choice, precompile CLI."""
+"""CPU checks of the kernels' host-side logic: chunk bookkeeping, V-tile choice, precompile CLI."""
 
 import os
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
+from flash_qla.ops.backward import sequence_of_chunks
 from flash_qla.ops.forward import choose_block_v, chunk_offsets_of, kernel_unsupported_reason
 from flash_qla.precompile import main as precompile_main
 
@@ -53,6 +54,20 @@ def test_precompile_rejects_bad_heads(heads, capsys):
         precompile_main(["--heads", heads])
     assert exc.value.code == 2
     assert "--heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "lengths", [(64,), (0, 1, 63, 64, 65, 0, 130, 1), (1000, 0, 0, 3), (0, 0, 5)], ids=lambda x: "-".join(map(str, x))
+)
+def test_sequence_of_chunks_skips_empty_sequences(lengths):
+    """Every global chunk maps to the sequence that holds it; the launcher's extra slots to the last one."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    offsets = chunk_offsets_of(cu, SM90.chunk)
+    expected = [n for n, length in enumerate(lengths) for _ in range(-(-length // SM90.chunk))]
+    slots = sum(lengths) // SM90.chunk + len(lengths)  # the launcher's upper bound
+    got = sequence_of_chunks(offsets, slots).tolist()
+    assert got[: len(expected)] == expected
+    assert all(n == len(lengths) - 1 for n in got[len(expected):])
 
 
 def test_chunk_offsets_recomputed_after_in_place_edit():

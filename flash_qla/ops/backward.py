@@ -74,8 +74,7 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     walk(q, k, do, gamma, A, P, cu_seqlens, chunk_offsets, dht, dh, dv_new, dv, dh0, scale)
 
     # 4. chunk gradients
-    slot_ids = torch.arange(slots, dtype=torch.int32, device=q.device)
-    chunk_seq = torch.searchsorted(chunk_offsets, slot_ids, right=True, out_int32=True).sub_(1).clamp_(0, N - 1)
+    chunk_seq = sequence_of_chunks(chunk_offsets, slots)
     dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
     dbeta, dg = buffers.new((T, Hv), f32, q.device), buffers.new((T, Hv), f32, q.device)
     grads = chunk_grads_kernel(Hqk, Hv, K, V, dtype, profile)
@@ -89,6 +88,17 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
         dg.to(g_dtype)[None],
         dh0 if has_h0 else None,
     )
+
+
+def sequence_of_chunks(chunk_offsets: torch.Tensor, slots: int) -> torch.Tensor:
+    """[slots] int32: the sequence holding each global chunk (device-side, no sync).
+
+    The last n with chunk_offsets[n] <= slot, so empty sequences (whose offset equals the
+    next one's) are skipped; slots past the last chunk get the last sequence.
+    """
+    slot_ids = torch.arange(slots, dtype=torch.int32, device=chunk_offsets.device)
+    seq = torch.searchsorted(chunk_offsets, slot_ids, right=True, out_int32=True).sub_(1)
+    return seq.clamp_(0, chunk_offsets.numel() - 2)
 
 
 def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):

@@ -4,8 +4,11 @@ Reads like flash_qla/reference/backward_stages.py:
   1. kkt_solve (backward mode): P = Q Kᵀ ⊙ Γ ⊙ Lower and chunk-major γ from g_cum; A is
      the forward's (kept, not recomputed);
   2. fused_fwd, STATES_ONLY: the states S at every chunk start, recomputed in the input
-     dtype (cheaper than keeping them from the forward: [chunks, Hv, K, V] is 16x the
-     size of A, and the forward would write them whether or not a backward follows);
+     dtype. Keeping them from the forward instead would cost [chunks, Hv, K, V] of
+     activation memory, 4x the size of A (537 MB per layer at 16/32 and T = 32768; about
+     0.13 ms of extra writes in the forward at the copy bandwidth, an estimate); the
+     recompute measured 0.79 ms there (H200, benchmark/NOTES.md). Memory wins at the
+     lengths training runs;
   3. fused_bwd: the state gradients dS' walked backward in time, dv, dv_new, dh0;
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel.

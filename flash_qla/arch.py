@@ -21,10 +21,20 @@ class ArchProfile:
     arch: str  # TileLang/NVCC arch, e.g. "sm_90a"
     chunk: int  # tokens per chunk (C)
     threads: int  # threads per block of the chunk-parallel stages
-    fused_threads: int  # consumer threads of the fused kernels (a producer warpgroup is added)
+    fused_threads: int  # consumer threads of the fused kernels at wide V-tiles (see consumer_threads)
     grads_threads: int  # threads per block of the chunk-parallel backward (chunk_grads)
     num_stages: int  # depth of the shared-memory ring in the fused kernels
     num_sms: int  # multiprocessors of the reference part (V-tile choice)
+
+    def consumer_threads(self, BV: int) -> int:
+        """Consumer threads of the fused kernels for a V-tile of BV columns.
+
+        Two consumer warpgroups split each product's N = BV between them. On the H200 that
+        pays at BV = 64 and loses at BV = 32, where one warpgroup reads each A operand once
+        instead of twice (benchmark/NOTES.md); below 32 columns a half would be narrower
+        than a wgmma operand tile.
+        """
+        return self.fused_threads if BV >= 64 else 128
 
     @property
     def target(self) -> dict:

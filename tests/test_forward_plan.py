@@ -30,7 +30,7 @@ def test_chunk_offsets(seqlens, expected):
 
 @pytest.mark.parametrize(
     "n_seqs,Hv,expected",
-    [(8, 32, 64), (1, 32, 32), (1, 8, 32), (2, 64, 64), (1, 64, 32)],
+    [(8, 32, 64), (1, 32, 32), (1, 8, 16), (2, 8, 16), (2, 16, 32), (2, 64, 64), (1, 64, 32)],
 )
 def test_block_v_fills_the_gpu(n_seqs, Hv, expected):
     assert choose_block_v(n_seqs, Hv, 128, SM90) == expected

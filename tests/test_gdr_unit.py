@@ -75,17 +75,26 @@ def test_low_level_forward_intermediates(case, poisoned):
 
 
 def test_no_recompile_across_batch_shapes():
-    """Three seqlen patterns of one head layout hit the same compiled kernels."""
+    """Seqlen patterns of one head layout and V-tile width hit the same compiled kernels.
+
+    The V-tile width follows sequences x heads (choose_block_v); each width is its own
+    kernel, built once (precompile builds them all). Every pattern here has 9 or 10
+    sequences, so all take the same width.
+    """
+    from flash_qla.arch import SM90
     from flash_qla.ops import fused_fwd, kkt_solve
+    from flash_qla.ops.forward import choose_block_v
 
     def run(seqlens):
         x = make_inputs(1, sum(seqlens), 4, 8, 128, 128, device="cuda")
         cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         flash_qla.chunk_gated_delta_rule(**x, cu_seqlens=cu)
 
-    run((100,))
+    patterns = ((64, 64, 1) * 3, (5000,) + (1,) * 8, (1, 2, 3, 4, 300) * 2)
+    assert len({choose_block_v(len(p), 8, 128, SM90) for p in patterns + ((100,) * 9,)}) == 1
+    run((100,) * 9)
     before = (fused_fwd.fused_fwd_kernel.cache_info().misses, kkt_solve.kkt_solve_kernel.cache_info().misses)
-    for seqlens in ((64, 64, 1), (5000,), (1, 2, 3, 4, 300)):
+    for seqlens in patterns:
         run(seqlens)
     after = (fused_fwd.fused_fwd_kernel.cache_info().misses, kkt_solve.kkt_solve_kernel.cache_info().misses)
     assert after == before

@@ -12,7 +12,7 @@ import pytest
 from flash_qla.arch import SM90
 from flash_qla.ops.backward import backward_kernel_builds
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
-from flash_qla.ops.forward import forward_kernel_builds
+from flash_qla.ops.forward import BLOCK_V_CHOICES, forward_kernel_builds
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
@@ -27,6 +27,9 @@ KERNELS = [
     ("kkt_solve_backward_mode", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, True), ("wgmma",)),
     ("fused_fwd_states_only", fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True, True), ("wgmma", "tma_load")),
     ("fused_bwd_bv32_dht_dh0", fused_bwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
+    # V-tiles of 16 columns run one consumer warpgroup (small grids, e.g. 2/8 at one sequence)
+    ("fused_fwd_bv16", fused_fwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, False, False), ("wgmma", "tma_load")),
+    ("fused_bwd_bv16_dht", fused_bwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, True, False), ("wgmma", "tma_load")),
     ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma",)),
 ]
 
@@ -41,8 +44,8 @@ def test_kernel_compiles_for_sm90(name, factory, args, instructions):
 def test_precompile_lists_every_forward_kernel():
     builds = forward_kernel_builds(SM90, 16, 32, "bfloat16")
     assert {f.__name__ for f, _ in builds} == {"kkt_solve_kernel", "fused_fwd_kernel"}
-    # both V-tile widths the launcher can choose, with and without h0 / h
-    assert len(builds) == 1 + 2 * 2 * 2
+    # every V-tile width the launcher can choose, with and without h0 / h
+    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * 2 * 2
 
 
 def test_precompile_lists_every_backward_kernel():
@@ -50,6 +53,6 @@ def test_precompile_lists_every_backward_kernel():
     assert {f.__name__ for f, _ in builds} == {
         "kkt_solve_kernel", "fused_fwd_kernel", "fused_bwd_kernel", "chunk_grads_kernel"
     }
-    # kkt_solve in backward mode; for both V-tile widths the states-only forward walk with and
+    # kkt_solve in backward mode; for every V-tile width the states-only forward walk with and
     # without h0 and the backward walk with and without dht / dh0; chunk_grads
-    assert len(builds) == 1 + 2 * (2 + 2 * 2) + 1
+    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (2 + 2 * 2) + 1

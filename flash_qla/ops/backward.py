@@ -19,7 +19,7 @@ import torch
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
-from flash_qla.ops.forward import DTYPE_NAMES, choose_block_v, chunk_offsets_of
+from flash_qla.ops.forward import BLOCK_V_CHOICES, DTYPE_NAMES, choose_block_v, chunk_offsets_of
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
@@ -63,9 +63,9 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
     h0 = placeholder if initial_state is None else initial_state.contiguous()
     fused = fused_fwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True, True)
-    o_unused = torch.empty_like(v)  # shape-checked, never written in STATES_ONLY
     ht = torch.empty(N, Hv, K, V, dtype=f32, device=q.device)
-    fused(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, o_unused, ht, h, scale)
+    # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
+    fused(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
 
     # 3. state gradients, backward in time
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
@@ -107,7 +107,7 @@ def sequence_of_chunks(chunk_offsets: torch.Tensor, slots: int) -> torch.Tensor:
 def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
     """Every (factory, args) the backward compiles for one head layout, beyond the forward's."""
     builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, True))]
-    for bv in (64, 32):
+    for bv in BLOCK_V_CHOICES:
         for has_h0 in (False, True):
             builds.append((fused_fwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_h0, True, True)))
         for has_dht in (False, True):

@@ -29,16 +29,22 @@ def kernel_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     return None
 
 
+BLOCK_V_CHOICES = (64, 32, 16)  # V-tile widths the fused kernels are compiled for, widest first
+
+
 def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
-    """V-tile width of the fused kernels: as wide as possible while the grid fills the GPU.
+    """V-tile width of the fused kernels.
 
     Every V-tile loads q, k, A and P again and runs the K S product again, so wide tiles do
     less; narrow tiles give more independent recurrences when sequences x heads is small.
+    The widest of 64 and 32 whose grid fills the GPU; when neither does, the narrowest
+    width whose grid still runs in one wave (a second wave would double the walk's time).
     """
+    blocks = {bv: n_seqs * Hv * (V // bv) for bv in BLOCK_V_CHOICES}
     for bv in (64, 32):
-        if n_seqs * Hv * (V // bv) >= profile.num_sms:
+        if blocks[bv] >= profile.num_sms:
             return bv
-    return 32
+    return min(bv for bv in BLOCK_V_CHOICES if blocks[bv] <= profile.num_sms)
 
 
 @cache_last
@@ -103,7 +109,7 @@ def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_
 def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
     """Every (factory, args) the forward can compile for one head layout and dtype."""
     builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile))]
-    for bv in (64, 32):
+    for bv in BLOCK_V_CHOICES:
         for has_h0 in (False, True):
             for store_h in (False, True):
                 builds.append((fused_fwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_h0, store_h)))

@@ -37,10 +37,12 @@ Outputs:
 Schedule: grid (V / BV, Hv, N), one block walks its sequence's chunks in order.
 T.Pipelined streams the q/k/v/A/P/γ tiles of the next chunks through a `num_stages`-deep
 shared-memory ring with TMA; on SM90 TileLang splits the block into a producer
-warpgroup (TMA issue, mbarrier waits) and `fused_threads / 128` consumer warpgroups
+warpgroup (TMA issue, mbarrier waits) and `consumer_threads(BV) / 128` consumer warpgroups
 that run every product with wgmma into fp32 register accumulators. S stays in
 registers (fp32) for the whole walk and is staged to shared memory in the input dtype
-once per chunk as the B operand of Q S and K S. Tokens past the end of the sequence
+once per chunk as the B operand of Q S and K S. Per chunk the S chain is three dependent
+products (K S, A U, Kᵀ v_new); the O path's Q S and P v_new are issued asynchronously
+next to K S and Kᵀ v_new, so a chunk waits on the tensor cores three times, not five. Tokens past the end of the sequence
 (last chunk) are masked: their gate factors are 0, so nothing of the next sequence's
 rows that the tile loads reaches S, and their rows of o are not stored.
 """
@@ -80,6 +82,9 @@ def fused_fwd_kernel(
     GROUPS = Hv // Hqk
     NV = V // BV
     accum = "float32"
+    THREADS = profile.consumer_threads(BV)
+    TILE_REGS = C * BV // THREADS  # fp32 registers per consumer thread of a [C, BV] accumulator
+    STATE_REGS = K * BV // THREADS  # ... of the [K, BV] state
     tokens = T.dynamic("tokens")
     n_seqs = T.dynamic("n_seqs")
     n_h0 = T.dynamic("n_h0")
@@ -102,7 +107,7 @@ def fused_fwd_kernel(
         h: T.Tensor([n_chunks, Hv, K, V], h_dtype),
         scale: T.float32,
     ):
-        with T.Kernel(NV, Hv, n_seqs, threads=profile.fused_threads) as (iv, ih, n):
+        with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
             ihk = ih // GROUPS
             v0 = iv * BV
             bos = cu_seqlens[n]
@@ -155,11 +160,20 @@ def fused_fwd_kernel(
                 T.copy(S, s_s)
                 if STATES_ONLY:
                     T.copy(s_s, h[first_chunk + c, ih, :, v0:v0 + BV])
+                # S becomes the accumulator of the update: e^{γ_L} S, Kᵀ diag(e^{γ_L − γ}) v_new added below
+                for d, j in T.Parallel(K, BV):
+                    S[d, j] = S[d, j] * T.exp2(g_last * LOG2E)
 
-                # inter-chunk terms against the state at the chunk's start
-                if not STATES_ONLY:
-                    T.gemm(q_s, s_s, O, clear_accum=True)
-                T.gemm(k_s, s_s, W, clear_accum=True)
+                # inter-chunk terms against the state at the chunk's start: K S (the S chain)
+                # and Q S (the O path) in flight together
+                with T.ws_op("k_s_q_s"):  # one op: the ring frees q_s only after the wait
+                    T.wgmma_gemm(k_s, s_s, W, clear_accum=True)
+                    if not STATES_ONLY:
+                        T.wgmma_gemm(q_s, s_s, O, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(W, num_regs=TILE_REGS)
+                    if not STATES_ONLY:
+                        T.warpgroup_fence_operand(O, num_regs=TILE_REGS)
                 for i, j in T.Parallel(C, BV):
                     u_s[i, j] = v_s[i, j] - W[i, j] * eg_s[i]
                 T.gemm(a_s, u_s, VN, clear_accum=True)
@@ -169,12 +183,16 @@ def fused_fwd_kernel(
                     for i, j in T.Parallel(C, BV):
                         O[i, j] = O[i, j] * eg_s[i]
                     T.copy(VN, vn_s)
-                    T.gemm(p_s, vn_s, O)
 
-                # state update  S <- e^{γ_L} S + Kᵀ diag(e^{γ_L − γ}) v_new
-                for d, j in T.Parallel(K, BV):
-                    S[d, j] = S[d, j] * T.exp2(g_last * LOG2E)
-                T.gemm(k_s, vd_s, S, transpose_A=True)
+                # S += Kᵀ diag(e^{γ_L − γ}) v_new (the S chain) and O += P v_new in flight together
+                with T.ws_op("k_s_p_s"):  # one op: the ring frees k_s and p_s only after the wait
+                    T.wgmma_gemm(k_s, vd_s, S, transpose_A=True)
+                    if not STATES_ONLY:
+                        T.wgmma_gemm(p_s, vn_s, O)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(S, num_regs=STATE_REGS)
+                    if not STATES_ONLY:
+                        T.warpgroup_fence_operand(O, num_regs=TILE_REGS)
 
                 if not STATES_ONLY:
                     for i, j in T.Parallel(C, BV):

@@ -68,6 +68,8 @@ def test_sequence_of_chunks_skips_empty_sequences(lengths):
     got = sequence_of_chunks(offsets, slots).tolist()
     assert got[: len(expected)] == expected
     assert all(n == len(lengths) - 1 for n in got[len(expected):])
+    # the layers of a step share cu_seqlens, hence chunk_offsets: the map is built once
+    assert sequence_of_chunks(offsets, slots) is sequence_of_chunks(offsets, slots)
 
 
 def test_chunk_offsets_recomputed_after_in_place_edit():

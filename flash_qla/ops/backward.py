@@ -23,6 +23,7 @@ from flash_qla.ops.forward import BLOCK_V_CHOICES, DTYPE_NAMES, choose_block_v, 
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
+from flash_qla.tensor_cache import cache_last
 
 
 def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens):
@@ -93,6 +94,7 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     )
 
 
+@cache_last  # chunk_offsets is itself cached per cu_seqlens: the layers of a step share this
 def sequence_of_chunks(chunk_offsets: torch.Tensor, slots: int) -> torch.Tensor:
     """[slots] int32: the sequence holding each global chunk (device-side, no sync).
 

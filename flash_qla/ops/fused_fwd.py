@@ -42,9 +42,10 @@ that run every product with wgmma into fp32 register accumulators. S stays in
 registers (fp32) for the whole walk and is staged to shared memory in the input dtype
 once per chunk as the B operand of Q S and K S. Per chunk the S chain is three dependent
 products (K S, A U, Kᵀ v_new); the O path's Q S and P v_new are issued asynchronously
-next to K S and Kᵀ v_new, so a chunk waits on the tensor cores three times, not five. Tokens past the end of the sequence
-(last chunk) are masked: their gate factors are 0, so nothing of the next sequence's
-rows that the tile loads reaches S, and their rows of o are not stored.
+next to K S and Kᵀ v_new, so a chunk waits on the tensor cores three times, not five.
+Tokens past the end of the sequence (last chunk) are masked: their gate factors are 0,
+so nothing of the next sequence's rows that the tile loads reaches S, and their rows of
+o are not stored.
 """
 
 import functools

@@ -15,12 +15,12 @@ def _default_scale(scale, q):
 
 def _pack(*tensors):
     """[B, T, ...] -> [1, B * T, ...]: dense batch rows become packed sequences."""
-    return [x.flatten(0, 1).unsqueeze(0) for x in tensors]
+    return [x if x.shape[0] == 1 else x.flatten(0, 1).unsqueeze(0) for x in tensors]
 
 
 def _unpack(x, B, T):
     """[1, B * T, ...] -> [B, T, ...]."""
-    return x.reshape(B, T, *x.shape[2:])
+    return x if B == 1 else x.reshape(B, T, *x.shape[2:])
 
 
 def _packed_cu_seqlens(cu_seqlens, q):
@@ -105,20 +105,25 @@ def chunk_gated_delta_rule(
     final_state : Tensor, [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), float32
         (float64 for float64 inputs); None unless output_final_state.
 
-    Differentiable in q, k, v, g, beta and initial_state.
+    Differentiable in q, k, v, g, beta and initial_state; when none of them requires a
+    gradient (or grad mode is off) no autograd node is built.
     """
     check_options(head_first)
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     B, T = q.shape[:2]
-    o, final_state = ChunkGatedDeltaRuleFunction.apply(
+    args = (
         *_pack(q, k, v, g, beta),
         _default_scale(scale, q),
         _state_in(initial_state, state_v_first, q),
         _packed_cu_seqlens(cu_seqlens, q),
         output_final_state,
     )
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+        o, final_state = ChunkGatedDeltaRuleFunction.apply(*args)
+    else:  # nothing to differentiate: no autograd node, nothing saved for a backward
+        _, _, o, _, final_state = _forward(*args, False)
     return _unpack(o, B, T), _state_out(final_state, state_v_first)
 
 

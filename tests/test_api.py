@@ -129,6 +129,22 @@ def test_no_final_state_unless_asked_and_auto_cp_changes_nothing():
     assert torch.equal(o, o_no_cp)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "grad_disabled"])
+def test_inference_calls_skip_autograd_and_match(mode):
+    """Without a tensor to differentiate the call builds no autograd node; its outputs are the same."""
+    x = VARLEN.inputs()
+    leaves = {name: x[name].clone().requires_grad_() for name in GRAD_INPUTS}
+    o_grad, final_grad = chunk_gated_delta_rule(**{**x, **leaves}, output_final_state=True)
+    assert o_grad.grad_fn is not None
+    if mode == "no_grad":  # plain tensors
+        o, final_state = chunk_gated_delta_rule(**x, output_final_state=True)
+    else:  # leaves under torch.no_grad()
+        with torch.no_grad():
+            o, final_state = chunk_gated_delta_rule(**{**x, **leaves}, output_final_state=True)
+    assert o.grad_fn is None and final_state.grad_fn is None
+    assert torch.equal(o, o_grad.detach()) and torch.equal(final_state, final_grad.detach())
+
+
 # Low-level forward: shapes and dtypes, and h, A, g_cum checked against their definitions.
 
 

@@ -46,7 +46,7 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     beta_dtype, g_dtype = beta.dtype, g_cum.dtype
     q, k, v = (x[0].contiguous() for x in (q, k, v))
     do, A = (x[0].to(q.dtype).contiguous() for x in (do, A))
-    g_cum, beta = (x[0].to(torch.float32).contiguous() for x in (g_cum, beta))
+    g_cum = g_cum[0].to(torch.float32).contiguous()
     cu_seqlens = cu_seqlens.contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
     slots = T // C + N  # upper bound of the number of chunks, known without a sync
@@ -57,7 +57,7 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     gamma = buffers.new((Hv, slots, C), f32, q.device)
     P = buffers.new((T, Hv, C), q.dtype, q.device)
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, True)
-    kkt(q, k, g_cum, beta, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)
+    kkt(q, k, g_cum, g_cum, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)  # β is not read: g_cum stands in
 
     # 2. states at every chunk start (the final state is a by-product; o is not computed)
     BV = choose_block_v(N, Hv, V, profile)

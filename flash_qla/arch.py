@@ -62,7 +62,7 @@ def unsupported_reason(device: torch.device) -> str | None:
     """Why the kernels cannot run on ``device``, or None when they can."""
     if device.type != "cuda":
         return f"kernels need a CUDA device, got {device.type!r}"
-    cap = _capability(torch.cuda.current_device() if device.index is None else device.index)
+    cap = _capability(device)
     if cap not in PROFILES:
         supported = ", ".join(f"sm_{a}{b}" for a, b in PROFILES)
         return f"no flash_qla kernels for compute capability {cap[0]}.{cap[1]} (supported: {supported})"
@@ -74,10 +74,14 @@ def get_profile(device: torch.device) -> ArchProfile:
     reason = unsupported_reason(device)
     if reason is not None:
         raise RuntimeError(reason)
-    return PROFILES[_capability(torch.cuda.current_device() if device.index is None else device.index)]
+    return PROFILES[_capability(device)]
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device, read once per device (it is on every call's path)."""
+    return _capability_of_index(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    """Compute capability of CUDA device `index`, read once (it is on every call's path)."""
+def _capability_of_index(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

@@ -1,5 +1,7 @@
 """Public entry points: validation, defaults, state layout, qk L2 norm and packing around the core."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -27,8 +29,20 @@ def _packed_cu_seqlens(cu_seqlens, q):
     """int32 [N + 1] boundaries; a dense batch is B sequences of length T."""
     if cu_seqlens is None:
         B, T = q.shape[:2]
-        return torch.arange(B + 1, dtype=torch.int32, device=q.device) * T
-    return cu_seqlens.to(torch.int32)
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():  # a cached tensor would hold no values yet
+            return _dense_cu_seqlens.__wrapped__(B, T, q.device)
+        return _dense_cu_seqlens(B, T, q.device)
+    return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_cu_seqlens(B, T, device):
+    """[0, T, 2T, ..., BT] int32, built once per (B, T, device).
+
+    The layers of a step and the steps of a run share it, and with it the chunk table derived
+    from it (flash_qla.ops.forward.chunk_offsets_of). Nothing writes to it.
+    """
+    return torch.arange(B + 1, dtype=torch.int32, device=device) * T
 
 
 def _state_in(state, state_v_first, q):

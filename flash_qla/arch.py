@@ -24,6 +24,7 @@ class ArchProfile:
     threads: int  # threads per block of the chunk-parallel stages
     fused_threads: int  # consumer threads of the fused kernels at wide V-tiles (see consumer_threads)
     grads_threads: int  # threads per block of the chunk-parallel backward (chunk_grads)
+    kkt_blocks_per_sm: int  # kkt_solve blocks kept resident per SM (caps its registers)
     num_stages: int  # depth of the shared-memory ring in the fused kernels
     num_sms: int  # multiprocessors of the reference part (V-tile choice)
 
@@ -44,7 +45,15 @@ class ArchProfile:
 
 
 SM90 = ArchProfile(
-    name="sm90", arch="sm_90a", chunk=64, threads=128, fused_threads=256, grads_threads=256, num_stages=2, num_sms=132
+    name="sm90",
+    arch="sm_90a",
+    chunk=64,
+    threads=128,
+    fused_threads=256,
+    grads_threads=256,
+    kkt_blocks_per_sm=6,  # its shared-memory limit (33 KB a block): <= 80 registers a thread
+    num_stages=2,
+    num_sms=132,
 )
 
 # compute capability -> profile; SM100 / SM120 are added here as new profiles.

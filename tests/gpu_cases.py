@@ -49,6 +49,7 @@ CASES = [
     Case("scale_0.3", (300,), heads=(4, 8), extra={"scale": 0.3}),
     Case("state_v_first", (200, 100), heads=(4, 8), h0=True, extra={"state_v_first": True}),
     Case("qk_l2norm", (260,), heads=(4, 8), extra={"use_qk_l2norm_in_kernel": True}),
+    Case("beta_fp32", (300, 700), heads=(4, 8), extra={"beta_fp32": True}),  # β not in q's dtype
 ]
 
 
@@ -61,6 +62,8 @@ def case_inputs(case, seed):
         x["g"] = -0.001 * (1 + 0.1 * torch.rand_like(x["g"]))
     elif case.gate == "strong":  # A_log = log 16, dt = 0.1
         x["g"] = -16 * F.softplus(torch.randn_like(x["g"]) + math.log(math.expm1(0.1)))
+    if case.extra.get("beta_fp32"):
+        x["beta"] = torch.sigmoid(torch.randn_like(x["beta"], dtype=torch.float32))
     if case.extra.get("use_qk_l2norm_in_kernel"):
         x["q"], x["k"] = x["q"] * 3, x["k"] * 0.5  # not unit norm: the kernel path must normalise
     N = B if case.dense else len(case.seqlens)

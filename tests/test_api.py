@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_qla import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from flash_qla.api import _packed_cu_seqlens
 from flash_qla.reference import CHUNK_SIZE, naive_recurrent_gated_delta_rule
 from helpers import CASES, FP64_REL, Case, chunk_bounds, randn_like, rel_err
 
@@ -127,6 +128,18 @@ def test_no_final_state_unless_asked_and_auto_cp_changes_nothing():
     assert final_state is None
     o_no_cp, _ = chunk_gated_delta_rule(**x, auto_cp=False)
     assert torch.equal(o, o_no_cp)
+
+
+def test_dense_batch_boundaries_are_built_once_and_match_explicit_ones():
+    """A dense batch runs as B packed sequences; the boundary tensor is shared between calls."""
+    x = Case("dense", B=3, T=70, Hqk=1, Hv=2).inputs()
+    del x["cu_seqlens"], x["initial_state"]
+    first, again = _packed_cu_seqlens(None, x["q"]), _packed_cu_seqlens(None, x["q"])
+    assert first is again and first.dtype == torch.int32 and first.tolist() == [0, 70, 140, 210]
+    o, final_state = chunk_gated_delta_rule(**x, output_final_state=True)
+    packed = {name: t.flatten(0, 1)[None] for name, t in x.items()}
+    o_packed, final_packed = chunk_gated_delta_rule(**packed, cu_seqlens=first, output_final_state=True)
+    assert torch.equal(o, o_packed.view_as(o)) and torch.equal(final_state, final_packed)
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "grad_disabled"])

@@ -22,9 +22,11 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 # (factory, static args, instructions its SM90 source must use)
 KERNELS = [
     ("kkt_solve", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90), ("wgmma",)),
+    # β read in q's dtype (no cast launch)
+    ("kkt_solve_beta_bf16", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "bfloat16"), ("wgmma",)),
     ("fused_fwd_bv64_h0_h", fused_fwd_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
     ("fused_fwd_bv32_fp16", fused_fwd_kernel, (4, 8, 128, 128, 32, "float16", SM90, False, False), ("wgmma", "tma_load")),
-    ("kkt_solve_backward_mode", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, True), ("wgmma",)),
+    ("kkt_solve_backward_mode", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "float32", True), ("wgmma",)),
     ("fused_fwd_states_only", fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True, True), ("wgmma", "tma_load")),
     ("fused_bwd_bv32_dht_dh0", fused_bwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
     # V-tiles of 16 columns run one consumer warpgroup (small grids, e.g. 2/8 at one sequence)
@@ -44,8 +46,9 @@ def test_kernel_compiles_for_sm90(name, factory, args, instructions):
 def test_precompile_lists_every_forward_kernel():
     builds = forward_kernel_builds(SM90, 16, 32, "bfloat16")
     assert {f.__name__ for f, _ in builds} == {"kkt_solve_kernel", "fused_fwd_kernel"}
-    # every V-tile width the launcher can choose, with and without h0 / h
-    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * 2 * 2
+    # kkt_solve for β in q's dtype and in fp32; every V-tile width the launcher can choose,
+    # with and without h0 / h
+    assert len(builds) == 2 + len(BLOCK_V_CHOICES) * 2 * 2
 
 
 def test_precompile_lists_every_backward_kernel():

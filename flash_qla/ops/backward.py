@@ -23,6 +23,7 @@ from flash_qla.ops.forward import BLOCK_V_CHOICES, DTYPE_NAMES, choose_block_v, 
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
+from flash_qla.ops.launch import executable
 from flash_qla.tensor_cache import cache_last
 
 
@@ -56,8 +57,8 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     # 1. P and chunk-major γ
     gamma = buffers.new((Hv, slots, C), f32, q.device)
     P = buffers.new((T, Hv, C), q.dtype, q.device)
-    kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, True)
-    kkt(q, k, g_cum, g_cum, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)  # β is not read: g_cum stands in
+    kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, BACKWARD=True)
+    executable(kkt)(q, k, g_cum, g_cum, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)  # β is not read: g_cum stands in
 
     # 2. states at every chunk start (the final state is a by-product; o is not computed)
     BV = choose_block_v(N, Hv, V, profile)
@@ -66,7 +67,7 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     fused = fused_fwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True, True)
     ht = torch.empty(N, Hv, K, V, dtype=f32, device=q.device)
     # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
-    fused(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
+    executable(fused)(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
 
     # 3. state gradients, backward in time
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
@@ -75,14 +76,14 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     dht = dht.to(f32).contiguous() if has_dht else placeholder
     dh0 = buffers.new((N, Hv, K, V), f32, q.device) if has_h0 else placeholder
     walk = fused_bwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, has_dht, has_h0)
-    walk(q, k, do, gamma, A, P, cu_seqlens, chunk_offsets, dht, dh, dv_new, dv, dh0, scale)
+    executable(walk)(q, k, do, gamma, A, P, cu_seqlens, chunk_offsets, dht, dh, dv_new, dv, dh0, scale)
 
     # 4. chunk gradients
     chunk_seq = sequence_of_chunks(chunk_offsets, slots)
     dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
     dbeta, dg = buffers.new((T, Hv), f32, q.device), buffers.new((T, Hv), f32, q.device)
     grads = chunk_grads_kernel(Hqk, Hv, K, V, dtype, profile)
-    grads(q, k, v, do, dv_new, dv, A, gamma, h, dh, cu_seqlens, chunk_offsets, chunk_seq, dq, dk, dbeta, dg, scale, slots)
+    executable(grads)(q, k, v, do, dv_new, dv, A, gamma, h, dh, cu_seqlens, chunk_offsets, chunk_seq, dq, dk, dbeta, dg, scale, slots)
 
     return (
         dq[None],
@@ -108,7 +109,7 @@ def sequence_of_chunks(chunk_offsets: torch.Tensor, slots: int) -> torch.Tensor:
 
 def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
     """Every (factory, args) the backward compiles for one head layout, beyond the forward's."""
-    builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, True))]
+    builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, "float32", True))]
     for bv in BLOCK_V_CHOICES:
         for has_h0 in (False, True):
             builds.append((fused_fwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_h0, True, True)))

@@ -13,6 +13,7 @@ from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
+from flash_qla.ops.launch import executable
 from flash_qla.tensor_cache import cache_last
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -47,6 +48,16 @@ def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
     return min(bv for bv in BLOCK_V_CHOICES if blocks[bv] <= profile.num_sms)
 
 
+def contiguous_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a contiguous tensor of dtype (a same-dtype .to() costs ~1 µs of host time: skipped)."""
+    return x.contiguous() if x.dtype == dtype else x.to(dtype).contiguous()
+
+
+def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
+    """The dtype kkt_solve reads β in: q's dtype when β has it (no cast), float32 otherwise."""
+    return beta.dtype if beta.dtype == q.dtype else torch.float32
+
+
 @cache_last
 def chunk_offsets_of(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
     """[N+1] int32: index of each sequence's first chunk among all chunks (device-side, no sync)."""
@@ -68,35 +79,37 @@ def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_f
 
 
 def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h):
-    profile = get_profile(q.device)
+    device = q.device
+    profile = get_profile(device)
     C = profile.chunk
     _, T, Hqk, K = q.shape
-    Hv, V = v.shape[2], v.shape[3]
-    N = cu_seqlens.numel() - 1
+    Hv, V = v.shape[2:]
+    N = cu_seqlens.shape[0] - 1
     dtype = DTYPE_NAMES[q.dtype]
-    q, k, v = (x[0].contiguous() for x in (q, k, v))
-    g = g[0].to(torch.float32).contiguous()
-    beta = beta[0].to(torch.float32).contiguous()
+    q, k, v = (x.squeeze(0).contiguous() for x in (q, k, v))
+    g = contiguous_in(g.squeeze(0), torch.float32)
+    beta = contiguous_in(beta.squeeze(0), beta_kernel_dtype(beta, q))
     cu_seqlens = cu_seqlens.contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
 
     slots = T // C + N  # upper bound of the number of chunks, known without a sync
-    g_cum = buffers.new((T, Hv), torch.float32, q.device)
-    gamma = buffers.new((Hv, slots, C), torch.float32, q.device)  # γ again, chunk-major, for the fused kernel
-    A = buffers.new((T, Hv, C), q.dtype, q.device)
-    P = buffers.new((T, Hv, C), q.dtype, q.device)  # Q Kᵀ ⊙ Γ ⊙ Lower
-    kkt_solve_kernel(Hqk, Hv, K, dtype, profile)(q, k, g, beta, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)
+    g_cum = buffers.new((T, Hv), torch.float32, device)
+    gamma = buffers.new((Hv, slots, C), torch.float32, device)  # γ again, chunk-major, for the fused kernel
+    A = buffers.new((T, Hv, C), q.dtype, device)
+    P = buffers.new((T, Hv, C), q.dtype, device)  # Q Kᵀ ⊙ Γ ⊙ Lower
+    kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, DTYPE_NAMES.get(beta.dtype, "float32"))
+    executable(kkt)(q, k, g, beta, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)
 
-    placeholder = buffers.placeholder(q.device, Hv, K, V)
-    o = buffers.new(v.shape, v.dtype, v.device)
-    final_state = buffers.new((N, Hv, K, V), torch.float32, q.device)
+    placeholder = buffers.placeholder(device, Hv, K, V)
+    o = buffers.new(v.shape, v.dtype, device)
+    final_state = buffers.new((N, Hv, K, V), torch.float32, device)
     h = None
     if output_h:
-        h = buffers.new((int(chunk_offsets[-1]), Hv, K, V), torch.float32, q.device)
+        h = buffers.new((int(chunk_offsets[-1]), Hv, K, V), torch.float32, device)
     h0 = initial_state.contiguous() if initial_state is not None else placeholder
     BV = choose_block_v(N, Hv, V, profile)
     fused = fused_fwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, output_h)
-    fused(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, o, final_state, h if output_h else placeholder, scale)
+    executable(fused)(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, o, final_state, h if output_h else placeholder, scale)
     return (
         g_cum[None],
         A[None],
@@ -108,7 +121,7 @@ def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_
 
 def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
     """Every (factory, args) the forward can compile for one head layout and dtype."""
-    builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile))]
+    builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, beta_dtype)) for beta_dtype in (dtype, "float32")]
     for bv in BLOCK_V_CHOICES:
         for has_h0 in (False, True):
             for store_h in (False, True):

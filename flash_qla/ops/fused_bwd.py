@@ -46,6 +46,9 @@ import tilelang.language as T
 from flash_qla.arch import ArchProfile
 
 LOG2E = 1.4426950408889634
+# elements of padding per row of the dv staging tile (the o tile's pattern in fused_fwd:
+# unpadded, a warp's 4-byte accumulator stores to 8 rows are 4- / 8-way bank conflicted)
+DV_PAD = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +113,7 @@ def fused_bwd_kernel(
             doe_s = T.alloc_shared([C, BV], dtype)  # diag(scale · e^γ) dO
             dvn_s = T.alloc_shared([C, BV], dtype)  # dv_new
             due_s = T.alloc_shared([C, BV], dtype)  # −diag(e^γ) dv
-            dv_s = T.alloc_shared([C, BV], dtype)
+            dv_s = T.alloc_shared([C, BV + DV_PAD], dtype)  # dv staged for its store, rows padded
             eg_s = T.alloc_shared([C], accum)  # e^γ, 0 past the end
             ed_s = T.alloc_shared([C], accum)  # e^{γ_L − γ}, 0 past the end
 
@@ -166,7 +169,8 @@ def fused_bwd_kernel(
                 T.gemm(a_s, dvn_s, DV, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(C, BV):
                     due_s[i, j] = -DV[i, j] * eg_s[i]
-                T.copy(DV, dv_s)
+                for i, j in T.Parallel(C, BV):
+                    dv_s[i, j] = DV[i, j]
                 T.gemm(k_s, due_s, dS, transpose_A=True)
 
                 for i, j in T.Parallel(C, BV):

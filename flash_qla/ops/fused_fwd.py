@@ -56,6 +56,10 @@ import tilelang.language as T
 from flash_qla.arch import ArchProfile
 
 LOG2E = 1.4426950408889634
+# elements of padding per row of the o staging tile: the accumulator's 4-byte stores of a
+# warp cover 8 rows at once; unpadded rows are 64 / 128 bytes apart (BV = 32 / 64) and the
+# stores are 4- / 8-way bank conflicted, padded rows start in 8 different banks
+O_PAD = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,7 +129,7 @@ def fused_fwd_kernel(
             u_s = T.alloc_shared([C, BV], dtype)  # V − diag(e^γ) K S
             vn_s = T.alloc_shared([C, BV], dtype)  # v_new
             vd_s = T.alloc_shared([C, BV], dtype)  # diag(e^{γ_L − γ}) v_new
-            o_s = T.alloc_shared([C, BV], dtype)
+            o_s = T.alloc_shared([C, BV + O_PAD], dtype)  # o staged for its store, rows padded
             eg_s = T.alloc_shared([C], accum)  # e^γ, 0 past the end
             ed_s = T.alloc_shared([C], accum)  # e^{γ_L − γ}, 0 past the end
 

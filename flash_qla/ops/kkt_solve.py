@@ -14,7 +14,9 @@ they would run once per V-tile).
 
 Inputs (packed varlen, T tokens in all):
     q, k    [T, Hqk, K]  input dtype; v-head h reads qk-head h // (Hv // Hqk)
-    g, beta [T, Hv]      fp32 (the launcher converts)
+    g       [T, Hv]      fp32 (the launcher converts)
+    beta    [T, Hv]      the input dtype or fp32 (`beta_dtype`; read as fp32: no cast launch
+                         for the common bf16 / fp16 β)
     cu_seqlens    [N+1]  int32
     chunk_offsets [N+1]  int32, first global chunk index of each sequence
 Outputs:
@@ -24,14 +26,17 @@ Outputs:
     A, P    [T, Hv, C]   input dtype; row t holds row (t − chunk start) of its chunk's
                          matrix; columns past the row (and past the chunk's end) are 0
 
-Schedule: grid (chunk slots, Hv), one warpgroup per block; slot j finds its
-(sequence, chunk) by a binary search over chunk_offsets (no host-side chunk table, so no
-host synchronisation). The launcher sizes the grid with the upper bound T // C + N;
-slots past the last chunk exit at once. K Kᵀ and Q Kᵀ run on the tensor cores (wgmma,
-fp32 accumulate). The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
-  1. the four 16 x 16 diagonal blocks by forward substitution, one warp per block, each
-     lane holding half a row in registers; the finished row is published through
-     shared memory once per step;
+Schedule: grid (chunk slots, Hv), one warpgroup per block, `profile.kkt_blocks_per_sm`
+blocks resident per SM (a register cap for ptxas: the stage is latency bound, so
+occupancy pays); slot j finds its (sequence, chunk) by a binary search over
+chunk_offsets (no host-side chunk table, so no host synchronisation). The launcher sizes
+the grid with the upper bound T // C + N; slots past the last chunk exit at once. K Kᵀ and
+Q Kᵀ run on the tensor cores (wgmma, fp32 accumulate). The inverse X = (I + M)⁻¹ is formed
+in fp32 by blocks:
+  1. the four 16 x 16 diagonal blocks by forward substitution, one warp per block and
+     one column of the block per lane (lanes l and l + 16 share one): a column needs no
+     other lane's values, only M's rows, which the warp reads as broadcasts; the column
+     stays in registers until the block is done;
   2. two doubling merges (16 -> 32 -> 64), X₂₁ = −X₂₂ (M₂₁ X₁₁), as CUDA-core products
      with register tiles (2 x 4 outputs per thread), operands in padded shared memory
      (row stride C + 4 floats: no bank conflicts between the rows a warp reads).
@@ -55,16 +60,18 @@ P_PAD = 8
 
 
 @functools.lru_cache(maxsize=None)
-def kkt_solve_kernel(Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile, BACKWARD: bool = False):
+def kkt_solve_kernel(
+    Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile, beta_dtype: str = "float32", BACKWARD: bool = False
+):
     """Compile (or load from TileLang's cache) the kkt+solve stage for one static config.
 
     BACKWARD: g is already g_cum (the forward's output) and only gamma and P are written:
     the backward keeps the forward's A and needs P and chunk-major γ again (β is not read).
     """
+    assert beta_dtype in (dtype, "float32") and not (BACKWARD and beta_dtype != "float32")
     C = profile.chunk
     THREADS = profile.threads
     GROUPS = Hv // Hqk
-    HALF = DIAG // 2  # columns of a diagonal block per lane
     assert THREADS == 4 * 32 and C == 4 * DIAG, "one warp per diagonal block"
     accum = "float32"
     tokens = T.dynamic("tokens")
@@ -107,7 +114,7 @@ def kkt_solve_kernel(Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile
         q: T.Tensor([tokens, Hqk, K], dtype),
         k: T.Tensor([tokens, Hqk, K], dtype),
         g: T.Tensor([tokens, Hv], accum),
-        beta: T.Tensor([tokens, Hv], accum),
+        beta: T.Tensor([tokens, Hv], beta_dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         g_cum: T.Tensor([tokens, Hv], accum),
@@ -119,6 +126,7 @@ def kkt_solve_kernel(Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile
         with T.Kernel(slots, Hv, threads=THREADS) as (slot, ih):
             ihk = ih // GROUPS
             tx = T.get_thread_binding()
+            T.annotate_min_blocks_per_sm(profile.kkt_blocks_per_sm)
             q_s = T.alloc_shared([C, K], dtype)
             k_s = T.alloc_shared([C, K], dtype)
             p_s = T.alloc_shared([C, C + P_PAD], dtype)  # P staged for its store, rows padded
@@ -130,14 +138,14 @@ def kkt_solve_kernel(Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile
             t_s = T.alloc_shared([C // 2, C // 2 + PAD], accum)  # M₂₁ X₁₁ of the merges
             KK = T.alloc_fragment([C, C], accum)
             QK = T.alloc_fragment([C, C], accum)
-            xr = T.alloc_local([HALF], accum)  # this lane's half row of its diagonal block
-            mr = T.alloc_local([DIAG], accum)  # this lane's row of M inside the block
+            xc = T.alloc_local([DIAG], accum)  # this lane's column of its diagonal block of X
             acc = T.alloc_local([8], accum)
             lo = T.alloc_var("int32")
             hi = T.alloc_var("int32")
             mid = T.alloc_var("int32")
             t0 = T.alloc_var("int32")
             valid = T.alloc_var("int32")
+            n_chunks = T.alloc_var("int32")
 
             # slot -> sequence: the last n with chunk_offsets[n] <= slot
             lo = 0
@@ -151,13 +159,14 @@ def kkt_solve_kernel(Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile
                         hi = mid - 1
             t0 = cu_seqlens[lo] + (slot - chunk_offsets[lo]) * C
             valid = T.min(C, cu_seqlens[lo + 1] - t0)
-            if slot < chunk_offsets[n_seqs]:
+            n_chunks = chunk_offsets[n_seqs]  # read once: the guard below is re-tested per phase
+            if slot < n_chunks:
                 T.copy(q[t0:t0 + C, ihk, :], q_s)
                 T.copy(k[t0:t0 + C, ihk, :], k_s)
                 for i in T.Parallel(C):
                     gam_s[i] = T.if_then_else(i < valid, g[t0 + i, ih], 0.0)
                     if not BACKWARD:
-                        beta_s[i] = T.if_then_else(i < valid, beta[t0 + i, ih], 0.0)
+                        beta_s[i] = T.if_then_else(i < valid, T.cast(beta[t0 + i, ih], accum), 0.0)
                 if not BACKWARD:
                     T.cumsum(gam_s, dim=0)
                 for i in T.Parallel(C):
@@ -183,23 +192,16 @@ def kkt_solve_kernel(Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile
                             0.0,
                         )
 
-                    # 1. diagonal blocks: warp w inverts block w; lane holds row r, columns c0..c0+7
+                    # 1. diagonal blocks: warp w inverts block w, lane l solves column l % 16:
+                    #    x_i = δ_il − Σ_{j<i} M_ij x_j (the same M_ij for every lane: broadcasts)
                     base = tx // 32 * DIAG
-                    r = tx % 32 // 2
-                    c0 = tx % 2 * HALF
-                    for c in T.unroll(HALF):
-                        xr[c] = T.if_then_else(r == c0 + c, 1.0, 0.0)
-                    for j in T.unroll(DIAG):
-                        mr[j] = x_s[base + r, base + j]
-                    for j in T.unroll(DIAG):
-                        if r == j:  # row j is final: publish it
-                            for c in T.unroll(HALF):
-                                x_s[base + j, base + c0 + c] = xr[c]
-                        if r > j:
-                            for c in T.unroll(HALF):
-                                xr[c] -= mr[j] * x_s[base + j, base + c0 + c]
-                    for c in T.unroll(HALF):
-                        x_s[base + r, base + c0 + c] = xr[c]
+                    col = tx % DIAG
+                    for i in T.unroll(DIAG):
+                        xc[i] = T.if_then_else(i == col, 1.0, 0.0)
+                        for j in T.unroll(i):
+                            xc[i] -= x_s[base + i, base + j] * xc[j]
+                    for i in T.unroll(DIAG):  # lanes l and l + 16 store the same value
+                        x_s[base + i, base + col] = xc[i]
 
                     # 2. doubling merges: blocks of 16, then of 32
                     merge(x_s, t_s, acc, tx, DIAG)

@@ -57,8 +57,8 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     # 1. P and chunk-major γ
     gamma = buffers.new((Hv, slots, C), f32, q.device)
     P = buffers.new((T, Hv, C), q.dtype, q.device)
-    kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, BACKWARD=True)
-    executable(kkt)(q, k, g_cum, g_cum, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)  # β is not read: g_cum stands in
+    kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, "float32", True)  # backward mode: β is not read
+    executable(kkt)(q, k, g_cum, g_cum, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)  # g_cum stands in for β
 
     # 2. states at every chunk start (the final state is a by-product; o is not computed)
     BV = choose_block_v(N, Hv, V, profile)

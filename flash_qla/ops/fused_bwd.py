@@ -114,13 +114,15 @@ def fused_bwd_kernel(
             dvn_s = T.alloc_shared([C, BV], dtype)  # dv_new
             due_s = T.alloc_shared([C, BV], dtype)  # −diag(e^γ) dv
             dv_s = T.alloc_shared([C, BV + DV_PAD], dtype)  # dv staged for its store, rows padded
-            eg_s = T.alloc_shared([C], accum)  # e^γ, 0 past the end
-            ed_s = T.alloc_shared([C], accum)  # e^{γ_L − γ}, 0 past the end
+            eg_s = T.alloc_shared([C], accum)  # e^γ, 0 past the end, for the dO tile steps
 
             dS = T.alloc_fragment([K, BV], accum)
             DVN = T.alloc_fragment([C, BV], accum)
             KD = T.alloc_fragment([C, BV], accum)
             DV = T.alloc_fragment([C, BV], accum)
+            # the same gate factors in registers, laid out like the accumulators' rows
+            eg = T.alloc_fragment([C], accum)
+            ed = T.alloc_fragment([C], accum)  # e^{γ_L − γ}, 0 past the end
             g_last = T.alloc_var(accum)
 
             if HAS_DHT:
@@ -142,7 +144,9 @@ def fused_bwd_kernel(
                 g_last = gam_s[valid - 1]
                 for i in T.Parallel(C):
                     eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
-                    ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
+                for i in T.Parallel(C):
+                    eg[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
+                    ed[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
                 T.copy(dS, ds_s)
                 T.copy(ds_s, dh[first_chunk + c, ih, :, v0:v0 + BV])
                 for i, j in T.Parallel(C, BV):
@@ -162,13 +166,13 @@ def fused_bwd_kernel(
                     T.warpgroup_fence_operand(DVN, num_regs=TILE_REGS)
                     T.warpgroup_fence_operand(dS, num_regs=STATE_REGS)
                 for i, j in T.Parallel(C, BV):
-                    DVN[i, j] = DVN[i, j] + KD[i, j] * ed_s[i]
+                    DVN[i, j] = DVN[i, j] + KD[i, j] * ed[i]
                 T.copy(DVN, dvn_s)
 
                 # dv = Aᵀ dv_new
                 T.gemm(a_s, dvn_s, DV, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(C, BV):
-                    due_s[i, j] = -DV[i, j] * eg_s[i]
+                    due_s[i, j] = -DV[i, j] * eg[i]
                 for i, j in T.Parallel(C, BV):
                     dv_s[i, j] = DV[i, j]
                 T.gemm(k_s, due_s, dS, transpose_A=True)

@@ -4,7 +4,7 @@ A JITKernel's `__call__` goes through TileLang's torch adapter, which rebuilds t
 list and looks for outputs to allocate on every launch. Our kernels allocate nothing (every
 output is passed in), so the adapter's work is pure overhead: calling the TVM-FFI
 executable directly launches the same kernel on the current stream with the same argument
-checks (dtype, shape, device, contiguity), ~3.6 µs sooner per launch on the H200's host
+checks (dtype, shape, device, contiguity), 2-4 µs sooner per launch on the H200's host
 (benchmark/NOTES.md).
 """
 

@@ -30,9 +30,10 @@ def test_chunk_offsets(seqlens, expected):
 
 @pytest.mark.parametrize(
     "n_seqs,Hv,expected",
-    [(8, 32, 64), (1, 32, 32), (1, 8, 16), (2, 8, 16), (2, 16, 32), (2, 64, 64), (1, 64, 32)],
+    [(8, 32, 64), (1, 32, 32), (1, 8, 16), (2, 8, 16), (2, 16, 32), (2, 64, 64), (1, 64, 64), (1, 48, 64), (5, 32, 64)],
 )
-def test_block_v_fills_the_gpu(n_seqs, Hv, expected):
+def test_block_v_least_walk_time(n_seqs, Hv, expected):
+    """One wave of narrow tiles beats one of wide tiles; one wave of wide tiles beats two narrow."""
     assert choose_block_v(n_seqs, Hv, 128, SM90) == expected
 
 

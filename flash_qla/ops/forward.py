@@ -31,21 +31,25 @@ def kernel_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 BLOCK_V_CHOICES = (64, 32, 16)  # V-tile widths the fused kernels are compiled for, widest first
+# time of one chunk of the fused walk per V-tile width, relative to BV = 64, measured on the
+# H200 with one block per SM (benchmark/NOTES.md, v6 step 1): a narrow tile reads q, k, A and
+# P and runs K S for fewer columns, but not proportionally less
+CHUNK_COST = {64: 1.0, 32: 0.62, 16: 0.51}
 
 
 def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
-    """V-tile width of the fused kernels.
+    """V-tile width of the fused kernels: the least (waves x chunk cost), ties to the wider.
 
-    Every V-tile loads q, k, A and P again and runs the K S product again, so wide tiles do
-    less; narrow tiles give more independent recurrences when sequences x heads is small.
-    The widest of 64 and 32 whose grid fills the GPU; when neither does, the narrowest
-    width whose grid still runs in one wave (a second wave would double the walk's time).
+    The walk runs one block per SM, so its time is the number of waves of blocks
+    (n_seqs · Hv · V / BV over the SMs, rounded up) times the time of one chunk at that width.
+    Narrow tiles win when sequences x heads is small (a single long sequence); wide tiles when
+    the grid runs several waves anyway. Equal sequence lengths are assumed.
     """
-    blocks = {bv: n_seqs * Hv * (V // bv) for bv in BLOCK_V_CHOICES}
-    for bv in (64, 32):
-        if blocks[bv] >= profile.num_sms:
-            return bv
-    return min(bv for bv in BLOCK_V_CHOICES if blocks[bv] <= profile.num_sms)
+
+    def walk_time(bv: int) -> float:
+        return -(-n_seqs * Hv * (V // bv) // profile.num_sms) * CHUNK_COST[bv]
+
+    return min(BLOCK_V_CHOICES, key=lambda bv: (walk_time(bv), -bv))
 
 
 def contiguous_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -43,6 +43,9 @@ registers (fp32) for the whole walk and is staged to shared memory in the input 
 once per chunk as the B operand of Q S and K S. Per chunk the S chain is three dependent
 products (K S, A U, Kᵀ v_new); the O path's Q S and P v_new are issued asynchronously
 next to K S and Kᵀ v_new, so a chunk waits on the tensor cores three times, not five.
+While K S and Q S run, the consumers do the work that does not need them: the previous
+chunk's o (its O is kept one chunk in registers, so its staging and stores leave the S
+chain), the gate factors, and V read from the ring into registers.
 The per-row gate factors e^γ and e^{γ_L − γ} live in registers laid out like the
 accumulators' rows (each thread computes its own rows'), so the element-wise steps of the
 chain read no shared memory besides their tile (17 % faster per chunk than staging them).
@@ -99,6 +102,15 @@ def fused_fwd_kernel(
     n_chunks = T.dynamic("n_chunks")
     n_slots = T.dynamic("n_slots")
 
+    @T.macro
+    def store_o(O_done, o_s, o, t0, valid, ih, v0):
+        """o[t0 : t0 + valid] = O_done, staged through o_s for whole-row stores."""
+        for i, j in T.Parallel(C, BV):
+            o_s[i, j] = O_done[i, j]
+        for i, j in T.Parallel(C, BV):
+            if i < valid:
+                o[t0 + i, ih, v0 + j] = o_s[i, j]
+
     @T.prim_func
     def fused_fwd(
         q: T.Tensor([tokens, Hqk, K], dtype),
@@ -138,6 +150,8 @@ def fused_fwd_kernel(
             W = T.alloc_fragment([C, BV], accum)
             O = T.alloc_fragment([C, BV], accum)
             VN = T.alloc_fragment([C, BV], accum)
+            O_prev = T.alloc_fragment([C, BV], accum)  # the previous chunk's O, stored one chunk late
+            VF = T.alloc_fragment([C, BV], dtype)  # V, read from the ring before the K S wait
             # per-row gate factors in registers, laid out like the accumulators' rows
             eg = T.alloc_fragment([C], accum)  # e^γ, 0 past the end
             ed = T.alloc_fragment([C], accum)  # e^{γ_L − γ}, 0 past the end
@@ -147,6 +161,8 @@ def fused_fwd_kernel(
                 T.copy(h0[n, ih, :, v0:v0 + BV], S)
             else:
                 T.clear(S)
+            if not STATES_ONLY:
+                T.clear(O_prev)  # stored only from the second chunk on
 
             for c in T.Pipelined(T.ceildiv(seqlen, C), num_stages=profile.num_stages):
                 t0 = bos + c * C
@@ -161,30 +177,35 @@ def fused_fwd_kernel(
 
                 if STORE_H and not STATES_ONLY:
                     T.copy(S, h[first_chunk + c, ih, :, v0:v0 + BV])
-
-                g_last = gam_s[valid - 1]
-                for i in T.Parallel(C):
-                    eg[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
-                    ed[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
                 T.copy(S, s_s)
                 if STATES_ONLY:
                     T.copy(s_s, h[first_chunk + c, ih, :, v0:v0 + BV])
-                # S becomes the accumulator of the update: e^{γ_L} S, Kᵀ diag(e^{γ_L − γ}) v_new added below
+                # S becomes the accumulator of the update: e^{γ_L} S, Kᵀ diag(e^{γ_L − γ}) v_new
+                # added below (before the products are issued: S was last written by a product,
+                # and ptxas waits for every pending product before such registers are read)
+                g_last = gam_s[valid - 1]
                 for d, j in T.Parallel(K, BV):
                     S[d, j] = S[d, j] * T.exp2(g_last * LOG2E)
 
                 # inter-chunk terms against the state at the chunk's start: K S (the S chain)
-                # and Q S (the O path) in flight together
+                # and Q S (the O path) in flight together; under them, the previous chunk's o,
+                # the gate factors and V into registers
                 with T.ws_op("k_s_q_s"):  # one op: the ring frees q_s only after the wait
                     T.wgmma_gemm(k_s, s_s, W, clear_accum=True)
                     if not STATES_ONLY:
                         T.wgmma_gemm(q_s, s_s, O, clear_accum=True)
+                        if c > 0:  # every chunk but a sequence's last is full
+                            store_o(O_prev, o_s, o, t0 - C, C, ih, v0)
+                    for i in T.Parallel(C):
+                        eg[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
+                        ed[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
+                    T.copy(v_s, VF)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(W, num_regs=TILE_REGS)
                     if not STATES_ONLY:
                         T.warpgroup_fence_operand(O, num_regs=TILE_REGS)
                 for i, j in T.Parallel(C, BV):
-                    u_s[i, j] = v_s[i, j] - W[i, j] * eg[i]
+                    u_s[i, j] = VF[i, j] - W[i, j] * eg[i]
                 T.gemm(a_s, u_s, VN, clear_accum=True)
                 for i, j in T.Parallel(C, BV):
                     vd_s[i, j] = VN[i, j] * ed[i]
@@ -202,14 +223,16 @@ def fused_fwd_kernel(
                     T.warpgroup_fence_operand(S, num_regs=STATE_REGS)
                     if not STATES_ONLY:
                         T.warpgroup_fence_operand(O, num_regs=TILE_REGS)
-
                 if not STATES_ONLY:
+                    # stored under the next chunk's products. A multiply, not a copy: a copy is
+                    # propagated away, the store then reads registers a product wrote last, and
+                    # ptxas makes it wait for the next chunk's products
                     for i, j in T.Parallel(C, BV):
-                        o_s[i, j] = O[i, j] * scale
-                    for i, j in T.Parallel(C, BV):
-                        if i < valid:
-                            o[t0 + i, ih, v0 + j] = o_s[i, j]
+                        O_prev[i, j] = O[i, j] * scale
 
+            if not STATES_ONLY and seqlen > 0:
+                last = (seqlen - 1) // C
+                store_o(O_prev, o_s, o, bos + last * C, seqlen - last * C, ih, v0)
             T.copy(S, ht[n, ih, :, v0:v0 + BV])
 
     return tilelang.compile(fused_fwd, target=profile.target)

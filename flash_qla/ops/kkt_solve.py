@@ -30,16 +30,19 @@ Schedule: grid (chunk slots, Hv), one warpgroup per block, `profile.kkt_blocks_p
 blocks resident per SM (a register cap for ptxas: the stage is latency bound, so
 occupancy pays); slot j finds its (sequence, chunk) by a binary search over
 chunk_offsets (no host-side chunk table, so no host synchronisation). The launcher sizes
-the grid with the upper bound T // C + N; slots past the last chunk exit at once. K Kᵀ and
-Q Kᵀ run on the tensor cores (wgmma, fp32 accumulate). The inverse X = (I + M)⁻¹ is formed
+the grid with the upper bound T // C + N; slots past the last chunk exit at once. Q Kᵀ and
+K Kᵀ run together on the tensor cores (wgmma, fp32 accumulate); one element-wise pass then
+forms P and M, with one exponential Γ_ij for both. The inverse X = (I + M)⁻¹ is formed
 in fp32 by blocks:
   1. the four 16 x 16 diagonal blocks by forward substitution, one warp per block and
      one column of the block per lane (lanes l and l + 16 share one): a column needs no
      other lane's values, only M's rows, which the warp reads as broadcasts; the column
      stays in registers until the block is done;
   2. two doubling merges (16 -> 32 -> 64), X₂₁ = −X₂₂ (M₂₁ X₁₁), as CUDA-core products
-     with register tiles (2 x 4 outputs per thread), operands in padded shared memory
-     (row stride C + 4 floats: no bank conflicts between the rows a warp reads).
+     with register tiles (4 or 8 outputs per thread) over operands in padded shared
+     memory (row stride C + 4 floats). Each warp owns 8 columns of M₂₁ X₁₁, then 8 rows
+     of X₂₁, and skips the k-steps where the triangular X₁₁ or X₂₂ is zero: 5 / 8 of the
+     full products' multiply-adds in the 32 -> 64 merge, the same count in every warp.
 M and X share one fp32 buffer: each block of M is read before X overwrites it.
 """
 
@@ -80,34 +83,48 @@ def kkt_solve_kernel(
 
     @T.macro
     def merge(x_s, t_s, acc, tx, s: int):
-        """Join pairs of inverted s x s diagonal blocks of X into 2s x 2s inverses (M₂₁ -> X₂₁ in place)."""
-        per_problem = THREADS // (C // (2 * s))  # threads per pair of blocks
-        col_groups = s // 4
-        rows = s // (per_problem // col_groups)  # output rows per thread (x 4 columns)
+        """Join pairs of inverted s x s diagonal blocks of X into 2s x 2s inverses (M₂₁ -> X₂₁ in place).
+
+        s // 8 warps per pair. T₁ = M₂₁ X₁₁: warp w forms columns 8w .. 8w + 7 and skips the
+        k < 8w terms (X₁₁ is lower triangular); X₂₁ = −X₂₂ T₁: warp w forms rows 8w .. 8w + 7
+        and skips the k >= 8w + 8 terms (X₂₂ too). Every warp runs s // 8 + 1 blocks of 8 k-steps
+        in all, where full products would run 2 s // 8.
+        """
+        WARPS = s // 8
+        per_problem = 32 * WARPS
+        rows = s // 16  # output rows per thread (x 4 columns), in both products
         b = tx // per_problem
-        r0 = (tx % per_problem) // col_groups * rows
-        c0 = (tx % per_problem) % col_groups * 4
+        w = tx % per_problem // 32
+        lane = tx % 32
         base = 2 * s * b
-        # T₁ = M₂₁ X₁₁
+        # T₁ = M₂₁ X₁₁: lanes are 16 row groups x 2 groups of 4 columns
+        ra = lane // 2 * rows
+        ca = 8 * w + lane % 2 * 4
         for e in T.unroll(rows * 4):
             acc[e] = 0.0
-        for kk in T.serial(s):
-            for rr in T.unroll(rows):
-                for cc in T.unroll(4):
-                    acc[rr * 4 + cc] += x_s[base + s + r0 + rr, base + kk] * x_s[base + kk, base + c0 + cc]
+        for kb in T.serial(w, WARPS):
+            for k8 in T.unroll(8):
+                for rr in T.unroll(rows):
+                    for cc in T.unroll(4):
+                        acc[rr * 4 + cc] += (
+                            x_s[base + s + ra + rr, base + kb * 8 + k8] * x_s[base + kb * 8 + k8, base + ca + cc]
+                        )
         for rr in T.unroll(rows):
             for cc in T.unroll(4):
-                t_s[b * s + r0 + rr, c0 + cc] = acc[rr * 4 + cc]
-        # X₂₁ = −X₂₂ T₁
+                t_s[b * s + ra + rr, ca + cc] = acc[rr * 4 + cc]
+        # X₂₁ = −X₂₂ T₁: lanes are 8 // rows row groups x s // 4 groups of 4 columns
+        rb = 8 * w + lane // (s // 4) * rows
+        cb = lane % (s // 4) * 4
         for e in T.unroll(rows * 4):
             acc[e] = 0.0
-        for kk in T.serial(s):
-            for rr in T.unroll(rows):
-                for cc in T.unroll(4):
-                    acc[rr * 4 + cc] += x_s[base + s + r0 + rr, base + s + kk] * t_s[b * s + kk, c0 + cc]
+        for kb in T.serial(w + 1):
+            for k8 in T.unroll(8):
+                for rr in T.unroll(rows):
+                    for cc in T.unroll(4):
+                        acc[rr * 4 + cc] += x_s[base + s + rb + rr, base + s + kb * 8 + k8] * t_s[b * s + kb * 8 + k8, cb + cc]
         for rr in T.unroll(rows):
             for cc in T.unroll(4):
-                x_s[base + s + r0 + rr, base + c0 + cc] = -acc[rr * 4 + cc]
+                x_s[base + s + rb + rr, base + cb + cc] = -acc[rr * 4 + cc]
 
     @T.prim_func
     def kkt_solve(
@@ -150,13 +167,12 @@ def kkt_solve_kernel(
             # slot -> sequence: the last n with chunk_offsets[n] <= slot
             lo = 0
             hi = n_seqs
-            for _ in T.serial(32):
-                if lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if chunk_offsets[mid] <= slot:
-                        lo = mid
-                    else:
-                        hi = mid - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if chunk_offsets[mid] <= slot:
+                    lo = mid
+                else:
+                    hi = mid - 1
             t0 = cu_seqlens[lo] + (slot - chunk_offsets[lo]) * C
             valid = T.min(C, cu_seqlens[lo + 1] - t0)
             n_chunks = chunk_offsets[n_seqs]  # read once: the guard below is re-tested per phase
@@ -176,22 +192,25 @@ def kkt_solve_kernel(
                         if i < valid:
                             g_cum[t0 + i, ih] = gam_s[i]
 
-                T.gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
+                # Q Kᵀ and K Kᵀ in flight together; one pass then forms P and M with one
+                # exponential per element (Γ_ij is the same factor in both)
+                T.wgmma_gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
+                if not BACKWARD:
+                    T.wgmma_gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(QK, num_regs=C * C // THREADS)
+                if not BACKWARD:
+                    T.warpgroup_fence_operand(KK, num_regs=C * C // THREADS)
                 for i, j in T.Parallel(C, C):
-                    p_s[i, j] = T.if_then_else(j <= i, QK[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
+                    decay = T.exp2((gam_s[i] - gam_s[j]) * LOG2E)
+                    p_s[i, j] = T.if_then_else(j <= i, QK[i, j] * decay, 0.0)
+                    if not BACKWARD:
+                        x_s[i, j] = T.if_then_else(j < i and i < valid, beta_s[i] * KK[i, j] * decay, 0.0)
                 for i, j in T.Parallel(C, C):
                     if i < valid:
                         P[t0 + i, ih, j] = p_s[i, j]
 
-                if not BACKWARD:  # M, then X = (I + M)⁻¹ and A = X diag(β)
-                    T.gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        x_s[i, j] = T.if_then_else(
-                            j < i and i < valid,
-                            beta_s[i] * KK[i, j] * T.exp2((gam_s[i] - gam_s[j]) * LOG2E),
-                            0.0,
-                        )
-
+                if not BACKWARD:  # X = (I + M)⁻¹ and A = X diag(β)
                     # 1. diagonal blocks: warp w inverts block w, lane l solves column l % 16:
                     #    x_i = δ_il − Σ_{j<i} M_ij x_j (the same M_ij for every lane: broadcasts)
                     base = tx // 32 * DIAG

@@ -22,12 +22,12 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 
 # (factory, static args, instructions its SM90 source must use)
 KERNELS = [
-    ("kkt_solve", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90), ("wgmma", "cp_async")),
+    ("kkt_solve", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs")),
     # β read in q's dtype (no cast launch)
-    ("kkt_solve_beta_bf16", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async")),
+    ("kkt_solve_beta_bf16", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async_gs")),
     ("fused_fwd_bv64_h0_h", fused_fwd_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
     ("fused_fwd_bv32_fp16", fused_fwd_kernel, (4, 8, 128, 128, 32, "float16", SM90, False, False), ("wgmma", "tma_load")),
-    ("kkt_solve_backward_mode", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "float32", True), ("wgmma", "cp_async")),
+    ("kkt_solve_backward_mode", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "float32", True), ("wgmma", "cp_async_gs")),
     ("fused_fwd_states_only", fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True, True), ("wgmma", "tma_load")),
     ("fused_bwd_bv32_dht_dh0", fused_bwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
     # V-tiles of 16 columns run one consumer warpgroup (small grids, e.g. 2/8 at one sequence)

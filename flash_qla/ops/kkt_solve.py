@@ -32,9 +32,9 @@ occupancy pays); slot j finds its (sequence, chunk) by a binary search over
 chunk_offsets (no host-side chunk table, so no host synchronisation). The launcher sizes
 the grid with the upper bound T // C + N; slots past the last chunk exit at once. q and k
 arrive by cp.async (rows past the end zero-filled) while γ and β are loaded and γ summed
-(6 % faster than synchronous loads). Q Kᵀ and K Kᵀ run together on the tensor cores (wgmma, fp32 accumulate); one element-wise pass then
-forms P and M, with one exponential Γ_ij for both. The inverse X = (I + M)⁻¹ is formed
-in fp32 by blocks:
+(6 % faster than synchronous loads). Q Kᵀ and K Kᵀ run together on the tensor cores
+(wgmma, fp32 accumulate); one element-wise pass then forms P and M, with one exponential
+Γ_ij for both. The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
   1. the four 16 x 16 diagonal blocks by forward substitution, one warp per block and
      one column of the block per lane (lanes l and l + 16 share one): a column needs no
      other lane's values, only M's rows, which the warp reads as broadcasts; the column
@@ -93,6 +93,7 @@ def kkt_solve_kernel(
         """
         WARPS = s // 8
         per_problem = 32 * WARPS
+        assert per_problem * (C // (2 * s)) == THREADS, "every thread owns outputs of one pair"
         rows = s // 16  # output rows per thread (x 4 columns), in both products
         b = tx // per_problem
         w = tx % per_problem // 32

@@ -22,21 +22,11 @@ class ArchProfile:
     arch: str  # TileLang/NVCC arch, e.g. "sm_90a"
     chunk: int  # tokens per chunk (C)
     threads: int  # threads per block of the chunk-parallel stages
-    fused_threads: int  # consumer threads of the fused kernels at wide V-tiles (see consumer_threads)
+    fused_threads: int  # consumer threads of the fused walks (one warpgroup: see SM90)
     grads_threads: int  # threads per block of the chunk-parallel backward (chunk_grads)
     kkt_blocks_per_sm: int  # kkt_solve blocks kept resident per SM (caps its registers)
     num_stages: int  # depth of the shared-memory ring in the fused kernels
     num_sms: int  # multiprocessors of the reference part (V-tile choice)
-
-    def consumer_threads(self, BV: int) -> int:
-        """Consumer threads of the fused kernels for a V-tile of BV columns.
-
-        Two consumer warpgroups split each product's N = BV between them. On the H200 that
-        pays at BV = 64 and loses at BV = 32, where one warpgroup reads each A operand once
-        instead of twice (benchmark/NOTES.md); below 32 columns a half would be narrower
-        than a wgmma operand tile.
-        """
-        return self.fused_threads if BV >= 64 else 128
 
     @property
     def target(self) -> dict:
@@ -49,7 +39,10 @@ SM90 = ArchProfile(
     arch="sm_90a",
     chunk=64,
     threads=128,
-    fused_threads=256,
+    # One consumer warpgroup at every V-tile width: two (N = BV / 2 each) read every A operand
+    # (q, k, A, P tiles) twice from shared memory, the walks' bound; at BV = 64 one is 12 %
+    # faster (fused_fwd 16/32 8x4096 0.528 -> 0.465 ms, benchmark/NOTES.md v7 step 1).
+    fused_threads=128,
     grads_threads=256,
     kkt_blocks_per_sm=5,  # <= 102 registers a thread (at 6, 80 registers, ptxas spills: 19 % slower)
     num_stages=2,

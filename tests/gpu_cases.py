@@ -46,6 +46,8 @@ CASES = [
     Case("gva8_Hv64", (2000,), heads=(8, 64)),
     Case("fp16_dense_B2", (), dense=(2, 1000), dtype=torch.float16, h0=True),
     Case("fp16_varlen_edges", (0, 1, 63, 64, 65, 129), heads=(4, 8), dtype=torch.float16),
+    # 8 sequences x 32 heads: V-tiles of 128 (fused_fwd_wide)
+    Case("fp16_varlen_wide_h0", (0, 1, 63, 64, 65, 700, 129, 1000), dtype=torch.float16, h0=True),
     Case("scale_0.3", (300,), heads=(4, 8), extra={"scale": 0.3}),
     Case("state_v_first", (200, 100), heads=(4, 8), h0=True, extra={"state_v_first": True}),
     Case("qk_l2norm", (260,), heads=(4, 8), extra={"use_qk_l2norm_in_kernel": True}),

@@ -4,10 +4,11 @@ import os
 
 import pytest
 import torch
+from gpu_cases import CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
-from flash_qla.ops.backward import sequence_of_chunks
-from flash_qla.ops.forward import choose_block_v, chunk_offsets_of, kernel_unsupported_reason
+from flash_qla.ops.backward import BACKWARD_BLOCK_V_CHOICES, sequence_of_chunks
+from flash_qla.ops.forward import BLOCK_V_CHOICES, choose_block_v, chunk_offsets_of, kernel_unsupported_reason
 from flash_qla.precompile import main as precompile_main
 
 
@@ -30,11 +31,22 @@ def test_chunk_offsets(seqlens, expected):
 
 @pytest.mark.parametrize(
     "n_seqs,Hv,expected",
-    [(8, 32, 64), (1, 32, 32), (1, 8, 16), (2, 8, 16), (2, 16, 32), (2, 64, 64), (1, 64, 64), (1, 48, 64), (5, 32, 64)],
+    [(8, 32, 128), (1, 32, 32), (1, 8, 16), (2, 8, 16), (2, 16, 32), (2, 64, 128), (1, 64, 64), (1, 48, 64), (5, 32, 64)],
 )
 def test_block_v_least_walk_time(n_seqs, Hv, expected):
     """One wave of narrow tiles beats one of wide tiles; one wave of wide tiles beats two narrow."""
     assert choose_block_v(n_seqs, Hv, 128, SM90) == expected
+    # fused_bwd's widths stop at 64 (its dS is [K, BV] fp32 in one warpgroup's registers)
+    assert choose_block_v(n_seqs, Hv, 128, SM90, BACKWARD_BLOCK_V_CHOICES) == min(expected, 64)
+
+
+def test_gpu_cases_cover_every_block_v():
+    """The GPU case table runs the forward walk (and its backward recompute) at every V-tile width."""
+    chosen = set()
+    for case in CASES:
+        n_seqs = case.dense[0] if case.dense else len(case.seqlens)
+        chosen.add(choose_block_v(n_seqs, case.heads[1], 128, SM90))
+    assert chosen == set(BLOCK_V_CHOICES)
 
 
 def test_kernel_support_reasons():

@@ -53,7 +53,9 @@ def test_forward_matches_reference(case, poisoned):
     assert errors["o"] <= FWD_TOL and errors["final_state"] <= FWD_TOL, errors
 
 
-LOW_LEVEL = [c for c in CASES if c.id in ("dense_B2_T300_h0", "varlen_edges_h0", "fp16_varlen_edges", "gva3_Hv48")]
+LOW_LEVEL = [
+    c for c in CASES if c.id in ("dense_B2_T300_h0", "varlen_edges_h0", "fp16_varlen_edges", "gva3_Hv48", "fp16_varlen_wide_h0")
+]
 
 
 @pytest.mark.parametrize("case", LOW_LEVEL, ids=[c.id for c in LOW_LEVEL])

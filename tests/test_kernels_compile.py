@@ -1,8 +1,9 @@
 """Every kernel stage lowers and compiles for each architecture profile, without a GPU.
 
 Checks the generated CUDA source for the instructions the schedule is built on: wgmma for
-the tensor-core products (SM90), TMA loads for the fused kernels' shared-memory rings,
-cp.async for kkt_solve's q and k (they arrive while γ is summed).
+the tensor-core products (SM90; with register A operands in fused_fwd_wide), TMA loads for
+the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
+γ is summed).
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 """
 
@@ -11,11 +12,12 @@ import shutil
 import pytest
 
 from flash_qla.arch import SM90
-from flash_qla.ops.backward import backward_kernel_builds
+from flash_qla.ops.backward import BACKWARD_BLOCK_V_CHOICES, backward_kernel_builds
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
 from flash_qla.ops.forward import BLOCK_V_CHOICES, forward_kernel_builds
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
+from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile kernels")
@@ -33,6 +35,10 @@ KERNELS = [
     # V-tiles of 16 columns run one consumer warpgroup (small grids, e.g. 2/8 at one sequence)
     ("fused_fwd_bv16", fused_fwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, False, False), ("wgmma", "tma_load")),
     ("fused_bwd_bv16_dht", fused_bwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, True, False), ("wgmma", "tma_load")),
+    # V-tiles of 128: the state transposed, every chain operand read by wgmma from registers
+    ("fused_fwd_wide_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
+    ("fused_fwd_wide_fp16", fused_fwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
+    ("fused_fwd_wide_states_only", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True, True), ("wgmma_rs", "tma_load")),
     ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma",)),
 ]
 
@@ -46,7 +52,7 @@ def test_kernel_compiles_for_sm90(name, factory, args, instructions):
 
 def test_precompile_lists_every_forward_kernel():
     builds = forward_kernel_builds(SM90, 16, 32, "bfloat16")
-    assert {f.__name__ for f, _ in builds} == {"kkt_solve_kernel", "fused_fwd_kernel"}
+    assert {f.__name__ for f, _ in builds} == {"kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel"}
     # kkt_solve for β in q's dtype and in fp32; every V-tile width the launcher can choose,
     # with and without h0 / h
     assert len(builds) == 2 + len(BLOCK_V_CHOICES) * 2 * 2
@@ -55,8 +61,9 @@ def test_precompile_lists_every_forward_kernel():
 def test_precompile_lists_every_backward_kernel():
     builds = backward_kernel_builds(SM90, 16, 32, "bfloat16")
     assert {f.__name__ for f, _ in builds} == {
-        "kkt_solve_kernel", "fused_fwd_kernel", "fused_bwd_kernel", "chunk_grads_kernel"
+        "kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel", "fused_bwd_kernel", "chunk_grads_kernel"
     }
     # kkt_solve in backward mode; for every V-tile width the states-only forward walk with and
-    # without h0 and the backward walk with and without dht / dh0; chunk_grads
-    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (2 + 2 * 2) + 1
+    # without h0; for every width of fused_bwd the backward walk with and without dht / dh0;
+    # chunk_grads
+    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * 2 + len(BACKWARD_BLOCK_V_CHOICES) * 2 * 2 + 1

@@ -3,8 +3,8 @@
 Reads like flash_qla/reference/backward_stages.py:
   1. kkt_solve (backward mode): P = Q Kᵀ ⊙ Γ ⊙ Lower and chunk-major γ from g_cum; A is
      the forward's (kept, not recomputed);
-  2. fused_fwd, STATES_ONLY: the states S at every chunk start, recomputed in the input
-     dtype. Keeping them from the forward instead would cost [chunks, Hv, K, V] of
+  2. the forward walk, STATES_ONLY: the states S at every chunk start, recomputed in the
+     input dtype. Keeping them from the forward instead would cost [chunks, Hv, K, V] of
      activation memory, 4x the size of A (537 MB per layer at 16/32 and T = 32768; about
      0.13 ms of extra writes in the forward at the copy bandwidth, an estimate); the
      recompute measured 0.79 ms there (H200, benchmark/NOTES.md). Memory wins at the
@@ -19,12 +19,21 @@ import torch
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
-from flash_qla.ops.forward import BLOCK_V_CHOICES, DTYPE_NAMES, choose_block_v, chunk_offsets_of
+from flash_qla.ops.forward import (
+    BLOCK_V_CHOICES,
+    DTYPE_NAMES,
+    WIDE_BLOCK_V,
+    choose_block_v,
+    chunk_offsets_of,
+    walk_kernel,
+)
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
-from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 from flash_qla.ops.launch import executable
 from flash_qla.tensor_cache import cache_last
+
+# V-tile widths of fused_bwd: one consumer warpgroup holds the [K, BV] fp32 dS, so BV <= 64
+BACKWARD_BLOCK_V_CHOICES = tuple(bv for bv in BLOCK_V_CHOICES if bv != WIDE_BLOCK_V)
 
 
 def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens):
@@ -64,7 +73,7 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     BV = choose_block_v(N, Hv, V, profile)
     h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
     h0 = placeholder if initial_state is None else initial_state.contiguous()
-    fused = fused_fwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True, True)
+    fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True, True)
     ht = torch.empty(N, Hv, K, V, dtype=f32, device=q.device)
     # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
     executable(fused)(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
@@ -75,6 +84,7 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     has_dht, has_h0 = dht is not None, initial_state is not None
     dht = dht.to(f32).contiguous() if has_dht else placeholder
     dh0 = buffers.new((N, Hv, K, V), f32, q.device) if has_h0 else placeholder
+    BV = choose_block_v(N, Hv, V, profile, BACKWARD_BLOCK_V_CHOICES)
     walk = fused_bwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, has_dht, has_h0)
     executable(walk)(q, k, do, gamma, A, P, cu_seqlens, chunk_offsets, dht, dh, dv_new, dv, dh0, scale)
 
@@ -112,7 +122,8 @@ def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, 
     builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, "float32", True))]
     for bv in BLOCK_V_CHOICES:
         for has_h0 in (False, True):
-            builds.append((fused_fwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_h0, True, True)))
+            builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, True, True)))
+    for bv in BACKWARD_BLOCK_V_CHOICES:
         for has_dht in (False, True):
             for store_dh0 in (False, True):
                 builds.append((fused_bwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_dht, store_dh0)))

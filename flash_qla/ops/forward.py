@@ -1,8 +1,8 @@
-"""Forward orchestration on the GPU: kkt_solve (with the gate cumsum) then fused_fwd.
+"""Forward orchestration on the GPU: kkt_solve (with the gate cumsum), then the fused walk.
 
 Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk over the
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
-asked, the per-chunk states h.
+asked, the per-chunk states h: fused_fwd, or fused_fwd_wide for V-tiles of 128 columns.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
+from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 from flash_qla.ops.launch import executable
 from flash_qla.tensor_cache import cache_last
@@ -30,15 +31,17 @@ def kernel_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     return None
 
 
-BLOCK_V_CHOICES = (64, 32, 16)  # V-tile widths the fused kernels are compiled for, widest first
+BLOCK_V_CHOICES = (128, 64, 32, 16)  # V-tile widths of the forward walk, widest first
+WIDE_BLOCK_V = 128  # tiles this wide run fused_fwd_wide (two independent chains per block)
 # time of one chunk of the fused walk per V-tile width, relative to BV = 64, measured on the
-# H200 with one block per SM (benchmark/NOTES.md, v6 step 1): a narrow tile reads q, k, A and
-# P and runs K S for fewer columns, but not proportionally less
-CHUNK_COST = {64: 1.0, 32: 0.62, 16: 0.51}
+# H200 with one block per SM (benchmark/NOTES.md, v7 steps 1-2): a narrow tile reads q, k, A
+# and P and runs K S for fewer columns, but not proportionally less; a wide block runs two
+# chains that slow each other down, but not to twice the time
+CHUNK_COST = {128: 1.6, 64: 1.0, 32: 0.71, 16: 0.58}
 
 
-def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
-    """V-tile width of the fused kernels: the least (waves x chunk cost), ties to the wider.
+def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile, widths=BLOCK_V_CHOICES) -> int:
+    """V-tile width of a fused walk, among widths: the least (waves x chunk cost), ties to the wider.
 
     The walk runs one block per SM, so its time is the number of waves of blocks
     (n_seqs · Hv · V / BV over the SMs, rounded up) times the time of one chunk at that width.
@@ -49,7 +52,12 @@ def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
     def walk_time(bv: int) -> float:
         return -(-n_seqs * Hv * (V // bv) // profile.num_sms) * CHUNK_COST[bv]
 
-    return min(BLOCK_V_CHOICES, key=lambda bv: (walk_time(bv), -bv))
+    return min(widths, key=lambda bv: (walk_time(bv), -bv))
+
+
+def walk_kernel(BV: int):
+    """The fused forward's kernel factory for V-tiles of BV columns (both take the same arguments)."""
+    return fused_fwd_wide_kernel if BV == WIDE_BLOCK_V else fused_fwd_kernel
 
 
 def contiguous_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -112,7 +120,7 @@ def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_
         h = buffers.new((int(chunk_offsets[-1]), Hv, K, V), torch.float32, device)
     h0 = initial_state.contiguous() if initial_state is not None else placeholder
     BV = choose_block_v(N, Hv, V, profile)
-    fused = fused_fwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, output_h)
+    fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, output_h)
     executable(fused)(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, o, final_state, h if output_h else placeholder, scale)
     return (
         g_cum[None],
@@ -129,5 +137,5 @@ def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K
     for bv in BLOCK_V_CHOICES:
         for has_h0 in (False, True):
             for store_h in (False, True):
-                builds.append((fused_fwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_h0, store_h)))
+                builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, store_h)))
     return builds

@@ -31,11 +31,11 @@ Outputs:
 
 Schedule: as fused_fwd, grid (V / BV, Hv, N), one block walks its sequence's chunks in
 reverse; T.Pipelined streams the tiles of the next (earlier) chunks through a TMA ring and
-TileLang warp-specializes a producer warpgroup and `consumer_threads(BV) / 128` wgmma consumer
-warpgroups. dS stays in fp32 registers and is staged to shared memory in the input dtype
-once per chunk as the operand of K dS'. The products that do not wait on each other run
-in flight together: K dS', Pᵀ dO and Qᵀ dO (into the decayed dS), then Aᵀ dv_new, then
-Kᵀ dv; three waits per chunk instead of five.
+TileLang warp-specializes a producer warpgroup and one wgmma consumer warpgroup. dS stays
+in fp32 registers and is staged to shared memory in the input dtype once per chunk as the
+operand of K dS'. The products that do not wait on each other run in flight together: K
+dS', Pᵀ dO and Qᵀ dO (into the decayed dS), then Aᵀ dv_new, then Kᵀ dv; three waits per
+chunk instead of five.
 """
 
 import functools
@@ -68,7 +68,7 @@ def fused_bwd_kernel(
     GROUPS = Hv // Hqk
     NV = V // BV
     accum = "float32"
-    THREADS = profile.consumer_threads(BV)
+    THREADS = profile.fused_threads
     TILE_REGS = C * BV // THREADS  # fp32 registers per consumer thread of a [C, BV] accumulator
     STATE_REGS = K * BV // THREADS  # ... of the [K, BV] state gradient
     tokens = T.dynamic("tokens")

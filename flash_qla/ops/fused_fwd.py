@@ -34,11 +34,12 @@ Outputs:
     h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H;
                            input dtype and o not written when STATES_ONLY)
 
-Schedule: grid (V / BV, Hv, N), one block walks its sequence's chunks in order.
+Schedule: grid (V / BV, Hv, N), one block walks its sequence's chunks in order (BV <= 64;
+V-tiles of 128 run fused_fwd_wide, the same walk transposed, with two chains per block).
 T.Pipelined streams the q/k/v/A/P/γ tiles of the next chunks through a `num_stages`-deep
 shared-memory ring with TMA; on SM90 TileLang splits the block into a producer
-warpgroup (TMA issue, mbarrier waits) and `consumer_threads(BV) / 128` consumer warpgroups
-that run every product with wgmma into fp32 register accumulators. S stays in
+warpgroup (TMA issue, mbarrier waits) and one consumer warpgroup (`profile.fused_threads`)
+that runs every product with wgmma into fp32 register accumulators. S stays in
 registers (fp32) for the whole walk and is staged to shared memory in the input dtype
 once per chunk as the B operand of Q S and K S. Per chunk the S chain is three dependent
 products (K S, A U, Kᵀ v_new); the O path's Q S and P v_new are issued asynchronously
@@ -93,7 +94,7 @@ def fused_fwd_kernel(
     GROUPS = Hv // Hqk
     NV = V // BV
     accum = "float32"
-    THREADS = profile.consumer_threads(BV)
+    THREADS = profile.fused_threads
     TILE_REGS = C * BV // THREADS  # fp32 registers per consumer thread of a [C, BV] accumulator
     STATE_REGS = K * BV // THREADS  # ... of the [K, BV] state
     tokens = T.dynamic("tokens")

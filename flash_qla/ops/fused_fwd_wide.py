@@ -1,0 +1,215 @@
+"""Fused chunked forward for wide V-tiles: the walk of fused_fwd with the state transposed.
+
+Computes what fused_fwd computes (o, the final state and, when asked, h; the same
+math, rounding and masking), for V-tiles of BV = 64 · (consumer warpgroups) columns, with
+every product transposed so that the V columns are its M side:
+
+    Wᵀ     = Sᵀ Kᵀ                                             [BV, C]
+    Uᵀ     = Vᵀ − Wᵀ diag(e^γ)                                 [BV, C]
+    v_newᵀ = Uᵀ Aᵀ                                             [BV, C]
+    Oᵀ     = scale · (Sᵀ Qᵀ diag(e^γ) + v_newᵀ Pᵀ)              [BV, C]
+    Sᵀ    <- e^{γ_L} Sᵀ + v_newᵀ diag(e^{γ_L − γ}) K           [BV, K]
+
+Sᵀ, Uᵀ and v_newᵀ are then the A operands of the next products, which wgmma reads straight
+from registers (rounded to the input dtype, as fused_fwd rounds them into shared memory):
+only the TMA'd q, k, A and P tiles are read from shared memory, and no tile the consumers
+write is staged there except o for its store. So the consumer warpgroups, one per 64
+columns, share the ring's q, k, A and P tiles but nothing else on the S chain: each runs an
+independent chain, and two chains per SM hide each other's latency (16/32 8x4096: the
+walk 0.466 -> 0.374 ms against fused_fwd at BV = 64; benchmark/NOTES.md v7 step 2). wgmma's
+M is 64 rows per warpgroup, so this form needs BV >= 64; narrower tiles (few sequences x
+heads) run fused_fwd.
+
+Inputs and outputs as fused_fwd (the same signature, so the launcher picks either by BV).
+Schedule: grid (V / BV, Hv, N); TileLang's warp specialization: a producer warpgroup streams
+the tiles through a `num_stages`-deep TMA ring, BV / 64 consumer warpgroups (every product
+splits its M = BV rows over them, `FullRow`). Per chunk the S chain is three dependent
+products (Sᵀ Kᵀ, Uᵀ Aᵀ, v_newᵀ K); Sᵀ Qᵀ and v_newᵀ Pᵀ are issued next to them, and
+under the first pair the consumers store the previous chunk's o and form the gate factors.
+The gate factors scale columns here (tokens are the N side): each thread keeps e^γ and
+e^{γ_L − γ} of the 16 columns its accumulator fragments hold. V is read transposed from
+its ring tile, which is swizzled so that a warp's reads hit distinct banks.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+from tilelang.layout import make_full_bank_swizzled_layout
+
+from flash_qla.arch import ArchProfile
+
+LOG2E = 1.4426950408889634
+ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
+# elements of padding per row of the o staging tile: a warp's transposed 2-byte stores touch
+# 4 rows (2 apart) at once; padded rows start 8 banks apart, so the stores are conflict-free
+O_PAD = 8
+
+
+@functools.lru_cache(maxsize=None)
+def fused_fwd_wide_kernel(
+    Hqk: int,
+    Hv: int,
+    K: int,
+    V: int,
+    BV: int,
+    dtype: str,
+    profile: ArchProfile,
+    HAS_H0: bool,
+    STORE_H: bool,
+    STATES_ONLY: bool = False,
+):
+    """Compile (or load from TileLang's cache) the wide-tile fused forward for one static config.
+
+    Arguments as fused_fwd_kernel; BV is a multiple of 64 (one consumer warpgroup per 64 columns).
+    """
+    assert STORE_H or not STATES_ONLY, "STATES_ONLY stores h"
+    assert BV % ROWS_PER_WARPGROUP == 0, "one consumer warpgroup per 64 rows of Sᵀ"
+    h_dtype = dtype if STATES_ONLY else "float32"
+    C = profile.chunk
+    GROUPS = Hv // Hqk
+    NV = V // BV
+    accum = "float32"
+    THREADS = 128 * BV // ROWS_PER_WARPGROUP
+    ROWS = T.GemmWarpPolicy.FullRow  # every product splits its M = BV rows over the warpgroups
+    TILE_REGS = C * BV // THREADS  # fp32 registers per consumer thread of a [BV, C] accumulator
+    STATE_REGS = K * BV // THREADS  # ... of the [BV, K] state
+    tokens = T.dynamic("tokens")
+    n_seqs = T.dynamic("n_seqs")
+    n_h0 = T.dynamic("n_h0")
+    n_chunks = T.dynamic("n_chunks")
+    n_slots = T.dynamic("n_slots")
+
+    @T.macro
+    def store_o(Ot_done, o_s, o, t0, valid, ih, v0):
+        """o[t0 : t0 + valid] = Ot_doneᵀ, transposed through o_s for whole-row stores."""
+        for j, i in T.Parallel(BV, C):
+            o_s[i, j] = Ot_done[j, i]
+        for i, j in T.Parallel(C, BV):
+            if i < valid:
+                o[t0 + i, ih, v0 + j] = o_s[i, j]
+
+    @T.prim_func
+    def fused_fwd_wide(
+        q: T.Tensor([tokens, Hqk, K], dtype),
+        k: T.Tensor([tokens, Hqk, K], dtype),
+        v: T.Tensor([tokens, Hv, V], dtype),
+        gamma: T.Tensor([Hv, n_slots, C], accum),
+        A: T.Tensor([tokens, Hv, C], dtype),
+        P: T.Tensor([tokens, Hv, C], dtype),
+        cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
+        chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        h0: T.Tensor([n_h0, Hv, K, V], accum),
+        o: T.Tensor([tokens, Hv, V], dtype),
+        ht: T.Tensor([n_seqs, Hv, K, V], accum),
+        h: T.Tensor([n_chunks, Hv, K, V], h_dtype),
+        scale: T.float32,
+    ):
+        with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
+            ihk = ih // GROUPS
+            v0 = iv * BV
+            bos = cu_seqlens[n]
+            seqlen = cu_seqlens[n + 1] - bos
+            first_chunk = chunk_offsets[n]
+
+            q_s = T.alloc_shared([C, K], dtype)
+            k_s = T.alloc_shared([C, K], dtype)
+            v_s = T.alloc_shared([C, BV], dtype)
+            a_s = T.alloc_shared([C, C], dtype)
+            p_s = T.alloc_shared([C, C], dtype)
+            gam_s = T.alloc_shared([C], accum)
+            o_s = T.alloc_shared([C, BV + O_PAD], dtype)  # o staged for its store, rows padded
+            # V is read a column per thread group: swizzled 128-byte rows, else the rows a warp
+            # reads at once (2 apart) all start in one bank
+            T.annotate_layout({v_s: make_full_bank_swizzled_layout(v_s)})
+
+            St = T.alloc_fragment([BV, K], accum)  # Sᵀ
+            Sb = T.alloc_fragment([BV, K], dtype)  # Sᵀ in the input dtype: A operand
+            Wt = T.alloc_fragment([BV, C], accum)  # (K S)ᵀ
+            Ot = T.alloc_fragment([BV, C], accum)
+            Ub = T.alloc_fragment([BV, C], dtype)  # Uᵀ: A operand
+            VNt = T.alloc_fragment([BV, C], accum)  # v_newᵀ
+            VNb = T.alloc_fragment([BV, C], dtype)  # v_newᵀ: A operand
+            VDb = T.alloc_fragment([BV, C], dtype)  # v_newᵀ diag(e^{γ_L − γ}): A operand
+            Ot_prev = T.alloc_fragment([BV, C], dtype)  # the previous chunk's o, stored one chunk late
+            # per-column gate factors, laid out like the accumulators' columns
+            eg = T.alloc_fragment([C], accum)  # e^γ, 0 past the end
+            ed = T.alloc_fragment([C], accum)  # e^{γ_L − γ}, 0 past the end
+            g_last = T.alloc_var(accum)
+
+            if HAS_H0:
+                for j, d in T.Parallel(BV, K):
+                    St[j, d] = h0[n, ih, d, v0 + j]
+            else:
+                T.clear(St)
+            if not STATES_ONLY:
+                T.clear(Ot_prev)  # stored only from the second chunk on
+
+            for c in T.Pipelined(T.ceildiv(seqlen, C), num_stages=profile.num_stages):
+                t0 = bos + c * C
+                valid = T.min(C, seqlen - c * C)  # tokens of this chunk in the sequence
+                if not STATES_ONLY:
+                    T.copy(q[t0:t0 + C, ihk, :], q_s)
+                    T.copy(P[t0:t0 + C, ih, :], p_s)
+                T.copy(k[t0:t0 + C, ihk, :], k_s)
+                T.copy(v[t0:t0 + C, ih, v0:v0 + BV], v_s)
+                T.copy(A[t0:t0 + C, ih, :], a_s)
+                T.copy(gamma[ih, first_chunk + c, :], gam_s)
+
+                if STORE_H and not STATES_ONLY:
+                    for j, d in T.Parallel(BV, K):
+                        h[first_chunk + c, ih, d, v0 + j] = St[j, d]
+                T.copy(St, Sb)
+                if STATES_ONLY:
+                    for j, d in T.Parallel(BV, K):
+                        h[first_chunk + c, ih, d, v0 + j] = Sb[j, d]
+                # Sᵀ becomes the accumulator of the update (before the issue: see fused_fwd)
+                g_last = gam_s[valid - 1]
+                for j, d in T.Parallel(BV, K):
+                    St[j, d] = St[j, d] * T.exp2(g_last * LOG2E)
+
+                # (K S)ᵀ (the S chain) and (Q S)ᵀ (the O path) in flight together; under them the
+                # previous chunk's o and the gate factors
+                with T.ws_op("k_s_q_s"):  # one op: the ring frees q_s only after the wait
+                    T.wgmma_gemm(Sb, k_s, Wt, transpose_B=True, clear_accum=True, policy=ROWS)
+                    if not STATES_ONLY:
+                        T.wgmma_gemm(Sb, q_s, Ot, transpose_B=True, clear_accum=True, policy=ROWS)
+                        if c > 0:  # every chunk but a sequence's last is full
+                            store_o(Ot_prev, o_s, o, t0 - C, C, ih, v0)
+                    for i in T.Parallel(C):
+                        eg[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
+                        ed[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(Wt, num_regs=TILE_REGS)
+                    if not STATES_ONLY:
+                        T.warpgroup_fence_operand(Ot, num_regs=TILE_REGS)
+                for j, i in T.Parallel(BV, C):
+                    Ub[j, i] = v_s[i, j] - Wt[j, i] * eg[i]
+                T.gemm(Ub, a_s, VNt, transpose_B=True, clear_accum=True, policy=ROWS)
+                for j, i in T.Parallel(BV, C):
+                    VDb[j, i] = VNt[j, i] * ed[i]
+                if not STATES_ONLY:
+                    for j, i in T.Parallel(BV, C):
+                        Ot[j, i] = Ot[j, i] * eg[i]
+                    T.copy(VNt, VNb)
+
+                # Sᵀ += v_newᵀ diag(e^{γ_L − γ}) K (the S chain) and Oᵀ += v_newᵀ Pᵀ in flight together
+                with T.ws_op("k_s_p_s"):  # one op: the ring frees k_s and p_s only after the wait
+                    T.wgmma_gemm(VDb, k_s, St, policy=ROWS)
+                    if not STATES_ONLY:
+                        T.wgmma_gemm(VNb, p_s, Ot, transpose_B=True, policy=ROWS)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(St, num_regs=STATE_REGS)
+                    if not STATES_ONLY:
+                        T.warpgroup_fence_operand(Ot, num_regs=TILE_REGS)
+                if not STATES_ONLY:  # rounded now: the store under the next products reads these
+                    for j, i in T.Parallel(BV, C):
+                        Ot_prev[j, i] = Ot[j, i] * scale
+
+            if not STATES_ONLY and seqlen > 0:
+                last = (seqlen - 1) // C
+                store_o(Ot_prev, o_s, o, bos + last * C, seqlen - last * C, ih, v0)
+            for j, d in T.Parallel(BV, K):
+                ht[n, ih, d, v0 + j] = St[j, d]
+
+    return tilelang.compile(fused_fwd_wide, target=profile.target)

@@ -1,8 +1,8 @@
 """Backward orchestration on the GPU: four kernels, no host synchronisation.
 
 Reads like flash_qla/reference/backward_stages.py:
-  1. kkt_solve (backward mode): P = Q Kᵀ ⊙ Γ ⊙ Lower and chunk-major γ from g_cum; A is
-     the forward's (kept, not recomputed);
+  1. kkt_solve (backward mode): P = Q Kᵀ ⊙ Γ ⊙ Lower and chunk-major γ (and its
+     exponentials) from g_cum; A is the forward's (kept, not recomputed);
   2. the forward walk, STATES_ONLY: the states S at every chunk start, recomputed in the
      input dtype. Keeping them from the forward instead would cost [chunks, Hv, K, V] of
      activation memory, 4x the size of A (537 MB per layer at 16/32 and T = 32768; about
@@ -65,9 +65,10 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
 
     # 1. P and chunk-major γ
     gamma = buffers.new((Hv, slots, C), f32, q.device)
+    gates = buffers.new((Hv, slots, 2, C), f32, q.device)
     P = buffers.new((T, Hv, C), q.dtype, q.device)
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, "float32", True)  # backward mode: β is not read
-    executable(kkt)(q, k, g_cum, g_cum, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)  # g_cum stands in for β
+    executable(kkt)(q, k, g_cum, g_cum, cu_seqlens, chunk_offsets, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
 
     # 2. states at every chunk start (the final state is a by-product; o is not computed)
     BV = choose_block_v(N, Hv, V, profile)
@@ -76,7 +77,8 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True, True)
     ht = torch.empty(N, Hv, K, V, dtype=f32, device=q.device)
     # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
-    executable(fused)(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
+    gate = gates if BV == WIDE_BLOCK_V else gamma  # see walk_kernel
+    executable(fused)(q, k, v, gate, A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
 
     # 3. state gradients, backward in time
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)

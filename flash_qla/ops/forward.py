@@ -56,7 +56,11 @@ def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile, widths=BL
 
 
 def walk_kernel(BV: int):
-    """The fused forward's kernel factory for V-tiles of BV columns (both take the same arguments)."""
+    """The fused forward's kernel factory for V-tiles of BV columns.
+
+    Both take the same arguments, except the gate: γ (kkt_solve's `gamma`) for fused_fwd,
+    its exponentials (kkt_solve's `gates`) for fused_fwd_wide.
+    """
     return fused_fwd_wide_kernel if BV == WIDE_BLOCK_V else fused_fwd_kernel
 
 
@@ -107,10 +111,11 @@ def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_
     slots = T // C + N  # upper bound of the number of chunks, known without a sync
     g_cum = buffers.new((T, Hv), torch.float32, device)
     gamma = buffers.new((Hv, slots, C), torch.float32, device)  # γ again, chunk-major, for the fused kernel
+    gates = buffers.new((Hv, slots, 2, C), torch.float32, device)  # e^γ, e^{γ_L − γ}: fused_fwd_wide's γ
     A = buffers.new((T, Hv, C), q.dtype, device)
     P = buffers.new((T, Hv, C), q.dtype, device)  # Q Kᵀ ⊙ Γ ⊙ Lower
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, DTYPE_NAMES.get(beta.dtype, "float32"))
-    executable(kkt)(q, k, g, beta, cu_seqlens, chunk_offsets, g_cum, gamma, A, P, slots)
+    executable(kkt)(q, k, g, beta, cu_seqlens, chunk_offsets, g_cum, gamma, gates, A, P, slots)
 
     placeholder = buffers.placeholder(device, Hv, K, V)
     o = buffers.new(v.shape, v.dtype, device)
@@ -121,7 +126,8 @@ def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_
     h0 = initial_state.contiguous() if initial_state is not None else placeholder
     BV = choose_block_v(N, Hv, V, profile)
     fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, output_h)
-    executable(fused)(q, k, v, gamma, A, P, cu_seqlens, chunk_offsets, h0, o, final_state, h if output_h else placeholder, scale)
+    gate = gates if BV == WIDE_BLOCK_V else gamma
+    executable(fused)(q, k, v, gate, A, P, cu_seqlens, chunk_offsets, h0, o, final_state, h if output_h else placeholder, scale)
     return (
         g_cum[None],
         A[None],

@@ -20,15 +20,18 @@ walk 0.466 -> 0.374 ms against fused_fwd at BV = 64; benchmark/NOTES.md v7 step 
 M is 64 rows per warpgroup, so this form needs BV >= 64; narrower tiles (few sequences x
 heads) run fused_fwd.
 
-Inputs and outputs as fused_fwd (the same signature, so the launcher picks either by BV).
+Inputs and outputs as fused_fwd, except that the gate arrives as kkt_solve's `gates`
+[Hv, slots, 2, C] fp32 (e^γ and e^{γ_L − γ}, 0 past the chunk's end) in the place of γ.
 Schedule: grid (V / BV, Hv, N); TileLang's warp specialization: a producer warpgroup streams
 the tiles through a `num_stages`-deep TMA ring, BV / 64 consumer warpgroups (every product
 splits its M = BV rows over them, `FullRow`). Per chunk the S chain is three dependent
 products (Sᵀ Kᵀ, Uᵀ Aᵀ, v_newᵀ K); Sᵀ Qᵀ and v_newᵀ Pᵀ are issued next to them, and
 under the first pair the consumers store the previous chunk's o and form the gate factors.
 The gate factors scale columns here (tokens are the N side): each thread keeps e^γ and
-e^{γ_L − γ} of the 16 columns its accumulator fragments hold. V is read transposed from
-its ring tile, which is swizzled so that a warp's reads hit distinct banks.
+e^{γ_L − γ} of the 16 columns its accumulator fragments hold, read from the ring's copy of
+kkt_solve's `gates` (computed here, they were 32 exponentials a thread per chunk, 64x the
+distinct values). V is read transposed from its ring tile, which is swizzled so that a
+warp's reads hit distinct banks.
 """
 
 import functools
@@ -39,7 +42,6 @@ from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
 
-LOG2E = 1.4426950408889634
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 # elements of padding per row of the o staging tile: a warp's transposed 2-byte stores touch
 # 4 rows (2 apart) at once; padded rows start 8 banks apart, so the stores are conflict-free
@@ -94,7 +96,7 @@ def fused_fwd_wide_kernel(
         q: T.Tensor([tokens, Hqk, K], dtype),
         k: T.Tensor([tokens, Hqk, K], dtype),
         v: T.Tensor([tokens, Hv, V], dtype),
-        gamma: T.Tensor([Hv, n_slots, C], accum),
+        gates: T.Tensor([Hv, n_slots, 2, C], accum),
         A: T.Tensor([tokens, Hv, C], dtype),
         P: T.Tensor([tokens, Hv, C], dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
@@ -117,7 +119,7 @@ def fused_fwd_wide_kernel(
             v_s = T.alloc_shared([C, BV], dtype)
             a_s = T.alloc_shared([C, C], dtype)
             p_s = T.alloc_shared([C, C], dtype)
-            gam_s = T.alloc_shared([C], accum)
+            gates_s = T.alloc_shared([2, C], accum)  # e^γ, e^{γ_L − γ}
             o_s = T.alloc_shared([C, BV + O_PAD], dtype)  # o staged for its store, rows padded
             # V is read a column per thread group: swizzled 128-byte rows, else the rows a warp
             # reads at once (2 apart) all start in one bank
@@ -135,7 +137,7 @@ def fused_fwd_wide_kernel(
             # per-column gate factors, laid out like the accumulators' columns
             eg = T.alloc_fragment([C], accum)  # e^γ, 0 past the end
             ed = T.alloc_fragment([C], accum)  # e^{γ_L − γ}, 0 past the end
-            g_last = T.alloc_var(accum)
+            decay = T.alloc_var(accum)  # e^{γ_L}
 
             if HAS_H0:
                 for j, d in T.Parallel(BV, K):
@@ -154,7 +156,7 @@ def fused_fwd_wide_kernel(
                 T.copy(k[t0:t0 + C, ihk, :], k_s)
                 T.copy(v[t0:t0 + C, ih, v0:v0 + BV], v_s)
                 T.copy(A[t0:t0 + C, ih, :], a_s)
-                T.copy(gamma[ih, first_chunk + c, :], gam_s)
+                T.copy(gates[ih, first_chunk + c, :, :], gates_s)
 
                 if STORE_H and not STATES_ONLY:
                     for j, d in T.Parallel(BV, K):
@@ -164,9 +166,9 @@ def fused_fwd_wide_kernel(
                     for j, d in T.Parallel(BV, K):
                         h[first_chunk + c, ih, d, v0 + j] = Sb[j, d]
                 # Sᵀ becomes the accumulator of the update (before the issue: see fused_fwd)
-                g_last = gam_s[valid - 1]
+                decay = gates_s[0, valid - 1]
                 for j, d in T.Parallel(BV, K):
-                    St[j, d] = St[j, d] * T.exp2(g_last * LOG2E)
+                    St[j, d] = St[j, d] * decay
 
                 # (K S)ᵀ (the S chain) and (Q S)ᵀ (the O path) in flight together; under them the
                 # previous chunk's o and the gate factors
@@ -177,8 +179,8 @@ def fused_fwd_wide_kernel(
                         if c > 0:  # every chunk but a sequence's last is full
                             store_o(Ot_prev, o_s, o, t0 - C, C, ih, v0)
                     for i in T.Parallel(C):
-                        eg[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
-                        ed[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
+                        eg[i] = gates_s[0, i]
+                        ed[i] = gates_s[1, i]
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(Wt, num_regs=TILE_REGS)
                     if not STATES_ONLY:

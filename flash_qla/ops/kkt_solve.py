@@ -23,6 +23,9 @@ Outputs:
     g_cum   [T, Hv]      fp32
     gamma   [Hv, slots, C] fp32, γ again, chunk-major (slot = global chunk index): the
                          fused kernel loads a chunk's γ with one aligned TMA box
+    gates   [Hv, slots, 2, C] fp32, e^γ and e^{γ_L − γ} (γ_L: the chunk's last valid token),
+                         0 past the chunk's end, for fused_fwd_wide (its threads hold 16
+                         columns each: computing them there took 32 exponentials a thread)
     A, P    [T, Hv, C]   input dtype; row t holds row (t − chunk start) of its chunk's
                          matrix; columns past the row (and past the chunk's end) are 0
 
@@ -69,7 +72,7 @@ def kkt_solve_kernel(
 ):
     """Compile (or load from TileLang's cache) the kkt+solve stage for one static config.
 
-    BACKWARD: g is already g_cum (the forward's output) and only gamma and P are written:
+    BACKWARD: g is already g_cum (the forward's output) and only gamma, gates and P are written:
     the backward keeps the forward's A and needs P and chunk-major γ again (β is not read).
     """
     assert beta_dtype in (dtype, "float32") and not (BACKWARD and beta_dtype != "float32")
@@ -138,6 +141,7 @@ def kkt_solve_kernel(
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         g_cum: T.Tensor([tokens, Hv], accum),
         gamma: T.Tensor([Hv, n_slots, C], accum),
+        gates: T.Tensor([Hv, n_slots, 2, C], accum),
         A: T.Tensor([tokens, Hv, C], dtype),
         P: T.Tensor([tokens, Hv, C], dtype),
         slots: T.int32,
@@ -190,6 +194,8 @@ def kkt_solve_kernel(
                     T.cumsum(gam_s, dim=0)
                 for i in T.Parallel(C):
                     gamma[ih, slot, i] = gam_s[i]
+                    gates[ih, slot, 0, i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
+                    gates[ih, slot, 1, i] = T.if_then_else(i < valid, T.exp2((gam_s[valid - 1] - gam_s[i]) * LOG2E), 0.0)
                 if not BACKWARD:
                     for i in T.Parallel(C):
                         if i < valid:

@@ -25,6 +25,9 @@ FWD_TOL = 5e-3
 GCUM_TOL = 1e-5
 # A is stored in the input dtype (one rounding of values of order 1; fp16 rounds finer).
 A_TOL = 1e-2
+# kkt_solve's gate exponentials: the kernel's fp32 exp2(γ log2 e) vs torch.exp in fp32, a few
+# ulp apart (the product with log2 e rounds once, the hardware exp2 is within 2 ulp).
+GATES_TOL = 1e-5
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -74,6 +77,39 @@ def test_low_level_forward_intermediates(case, poisoned):
         assert got.shape == want.shape, name
         assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) elements"
         assert rel_l2(got, want) <= tol, (name, rel_l2(got, want))
+
+
+def test_kkt_gates_are_the_gate_exponentials():
+    """kkt_solve's `gates` (fused_fwd_wide's gate input): e^γ and e^{γ_L − γ} of each chunk's tokens, 0 past its end."""
+    from flash_qla.arch import get_profile
+    from flash_qla.ops.forward import chunk_offsets_of
+    from flash_qla.ops.kkt_solve import kkt_solve_kernel
+
+    seqlens, (Hqk, Hv), C = (0, 1, 63, 64, 65, 130), (4, 8), 64
+    T, slots = sum(seqlens), sum(seqlens) // C + len(seqlens)
+    x = make_inputs(1, T, Hqk, Hv, 128, 128, device="cuda", seed=11)
+    cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    offsets = chunk_offsets_of(cu, C)
+
+    def poisoned_buffer(*shape, dtype=torch.float32):
+        return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+    g_cum, gamma, gates = poisoned_buffer(T, Hv), poisoned_buffer(Hv, slots, C), poisoned_buffer(Hv, slots, 2, C)
+    A, P = (poisoned_buffer(T, Hv, C, dtype=x["q"].dtype) for _ in range(2))
+    kkt = kkt_solve_kernel(Hqk, Hv, 128, "bfloat16", get_profile(x["q"].device), "float32")
+    q, k = x["q"][0].contiguous(), x["k"][0].contiguous()
+    g, beta = x["g"][0].float().contiguous(), x["beta"][0].float().contiguous()
+    kkt(q, k, g, beta, cu, offsets, g_cum, gamma, gates, A, P, slots)
+
+    valid = torch.cat([(n - torch.arange(0, n, C)).clamp(max=C) for n in seqlens if n > 0]).cuda()  # tokens per chunk
+    chunks = valid.numel()
+    assert chunks == int(offsets[-1])
+    inside = torch.arange(C, device="cuda")[None, :] < valid[:, None]  # [chunks, C]
+    gam = gamma[:, :chunks]  # [Hv, chunks, C]
+    gam_last = gam.gather(2, (valid - 1).view(1, -1, 1).expand(Hv, -1, 1))
+    zero = torch.zeros((), device="cuda")
+    torch.testing.assert_close(gates[:, :chunks, 0], torch.where(inside, gam.exp(), zero), rtol=GATES_TOL, atol=0)
+    torch.testing.assert_close(gates[:, :chunks, 1], torch.where(inside, (gam_last - gam).exp(), zero), rtol=GATES_TOL, atol=0)
 
 
 def test_no_recompile_across_batch_shapes():

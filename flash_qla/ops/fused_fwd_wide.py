@@ -15,8 +15,8 @@ from registers (rounded to the input dtype, as fused_fwd rounds them into shared
 only the TMA'd q, k, A and P tiles are read from shared memory, and no tile the consumers
 write is staged there except o for its store. So the consumer warpgroups, one per 64
 columns, share the ring's q, k, A and P tiles but nothing else on the S chain: each runs an
-independent chain, and two chains per SM hide each other's latency (16/32 8x4096: the
-walk 0.466 -> 0.374 ms against fused_fwd at BV = 64; benchmark/NOTES.md v7 step 2). wgmma's
+independent chain, and two chains per SM hide each other's latency (16/32 8x4096: the walk
+takes 0.335 ms, fused_fwd at BV = 64 0.466; benchmark/NOTES.md v7 steps 2-3). wgmma's
 M is 64 rows per warpgroup, so this form needs BV >= 64; narrower tiles (few sequences x
 heads) run fused_fwd.
 
@@ -26,7 +26,7 @@ Schedule: grid (V / BV, Hv, N); TileLang's warp specialization: a producer warpg
 the tiles through a `num_stages`-deep TMA ring, BV / 64 consumer warpgroups (every product
 splits its M = BV rows over them, `FullRow`). Per chunk the S chain is three dependent
 products (Sᵀ Kᵀ, Uᵀ Aᵀ, v_newᵀ K); Sᵀ Qᵀ and v_newᵀ Pᵀ are issued next to them, and
-under the first pair the consumers store the previous chunk's o and form the gate factors.
+under the first pair the consumers store the previous chunk's o and read the gate factors.
 The gate factors scale columns here (tokens are the N side): each thread keeps e^γ and
 e^{γ_L − γ} of the 16 columns its accumulator fragments hold, read from the ring's copy of
 kkt_solve's `gates` (computed here, they were 32 exponentials a thread per chunk, 64x the

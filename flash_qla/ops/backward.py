@@ -25,6 +25,7 @@ from flash_qla.ops.forward import (
     WIDE_BLOCK_V,
     choose_block_v,
     chunk_offsets_of,
+    walk_gate,
     walk_kernel,
 )
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
@@ -77,8 +78,7 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True, True)
     ht = torch.empty(N, Hv, K, V, dtype=f32, device=q.device)
     # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
-    gate = gates if BV == WIDE_BLOCK_V else gamma  # see walk_kernel
-    executable(fused)(q, k, v, gate, A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
+    executable(fused)(q, k, v, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
 
     # 3. state gradients, backward in time
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)

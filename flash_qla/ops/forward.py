@@ -58,10 +58,15 @@ def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile, widths=BL
 def walk_kernel(BV: int):
     """The fused forward's kernel factory for V-tiles of BV columns.
 
-    Both take the same arguments, except the gate: γ (kkt_solve's `gamma`) for fused_fwd,
-    its exponentials (kkt_solve's `gates`) for fused_fwd_wide.
+    Both take the same arguments, except the gate (`walk_gate`).
     """
     return fused_fwd_wide_kernel if BV == WIDE_BLOCK_V else fused_fwd_kernel
+
+
+def walk_gate(BV: int, gamma: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """The gate input of walk_kernel(BV): γ (kkt_solve's `gamma`) for fused_fwd, its
+    exponentials (kkt_solve's `gates`) for fused_fwd_wide."""
+    return gates if BV == WIDE_BLOCK_V else gamma
 
 
 def contiguous_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,7 +131,7 @@ def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_
     h0 = initial_state.contiguous() if initial_state is not None else placeholder
     BV = choose_block_v(N, Hv, V, profile)
     fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, output_h)
-    gate = gates if BV == WIDE_BLOCK_V else gamma
+    gate = walk_gate(BV, gamma, gates)
     executable(fused)(q, k, v, gate, A, P, cu_seqlens, chunk_offsets, h0, o, final_state, h if output_h else placeholder, scale)
     return (
         g_cum[None],

@@ -7,6 +7,7 @@ the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they a
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 """
 
+import re
 import shutil
 
 import pytest
@@ -48,6 +49,17 @@ def test_kernel_compiles_for_sm90(name, factory, args, instructions):
     source = factory(*args).get_kernel_source()
     for instruction in instructions:
         assert instruction in source, f"{name}: generated source has no {instruction}"
+
+
+@pytest.mark.parametrize("states_only", [False, True])
+def test_fused_fwd_wide_chains_share_no_barrier(states_only):
+    """The wide walk's consumer warpgroups never wait for each other: TileLang's automatic block-wide
+    barriers are off there, and its only named barriers (o's staging) count one warpgroup's threads."""
+    source = fused_fwd_wide_kernel(16, 32, 128, 128, 128, "bfloat16", SM90, True, True, states_only).get_kernel_source()
+    barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
+    assert all(b.endswith(", 128") for b in barriers), barriers
+    assert len(barriers) == (0 if states_only else 4)  # before and after o's staging, in and after the loop
+    assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
 
 
 def test_precompile_lists_every_forward_kernel():

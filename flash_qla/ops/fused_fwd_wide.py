@@ -14,9 +14,13 @@ Sᵀ, Uᵀ and v_newᵀ are then the A operands of the next products, which wgmm
 from registers (rounded to the input dtype, as fused_fwd rounds them into shared memory):
 only the TMA'd q, k, A and P tiles are read from shared memory, and no tile the consumers
 write is staged there except o for its store. So the consumer warpgroups, one per 64
-columns, share the ring's q, k, A and P tiles but nothing else on the S chain: each runs an
-independent chain, and two chains per SM hide each other's latency (16/32 8x4096: the walk
-takes 0.335 ms, fused_fwd at BV = 64 0.466; benchmark/NOTES.md v7 steps 2-3). wgmma's
+columns, share the ring's q, k, A and P tiles but nothing else: each runs an independent
+chain, and two chains per SM hide each other's latency. They never wait for each other
+either: each stages and stores only its own 64 columns of o, between named barriers of its
+own 128 threads, and TileLang's automatic block-wide barriers are switched off for this
+kernel (o_s is the only shared tile the consumers write; the ring is synchronised by its
+mbarriers). 16/32 8x4096: the walk takes 0.291 ms (0.333 with one consumer-wide barrier pair
+per chunk, fused_fwd at BV = 64 0.466; benchmark/NOTES.md v7 steps 2-3, v8 step 1). wgmma's
 M is 64 rows per warpgroup, so this form needs BV >= 64; narrower tiles (few sequences x
 heads) run fused_fwd.
 
@@ -46,6 +50,8 @@ ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 # elements of padding per row of the o staging tile: a warp's transposed 2-byte stores touch
 # 4 rows (2 apart) at once; padded rows start 8 banks apart, so the stores are conflict-free
 O_PAD = 8
+# first named barrier id of the o staging, one per consumer warpgroup (TileLang's own use ids < 4)
+O_BARRIER = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,13 +89,24 @@ def fused_fwd_wide_kernel(
     n_slots = T.dynamic("n_slots")
 
     @T.macro
-    def store_o(Ot_done, o_s, o, t0, valid, ih, v0):
-        """o[t0 : t0 + valid] = Ot_doneᵀ, transposed through o_s for whole-row stores."""
+    def store_o(Ot_done, o_s, o, t0, valid, ih, v0, tx):
+        """o[t0 : t0 + valid] = Ot_doneᵀ, transposed through o_s for whole-row stores.
+
+        Each warpgroup stages and stores only its own 64 columns, between barriers of its own
+        128 threads: the chains never wait for each other.
+        """
+        wg = tx // 128
+        lane = tx % 128
+        T.sync_threads(O_BARRIER + wg, 128)  # this warpgroup's reads of the last o are done
         for j, i in T.Parallel(BV, C):
             o_s[i, j] = Ot_done[j, i]
-        for i, j in T.Parallel(C, BV):
-            if i < valid:
-                o[t0 + i, ih, v0 + j] = o_s[i, j]
+        T.sync_threads(O_BARRIER + wg, 128)
+        for r in T.unroll(C // 16):  # 16 rows x 8 vectors of 8 elements per pass
+            row = r * 16 + lane // 8
+            col = wg * ROWS_PER_WARPGROUP + lane % 8 * 8
+            if row < valid:
+                for e in T.vectorized(8):
+                    o[t0 + row, ih, v0 + col + e] = o_s[row, col + e]
 
     @T.prim_func
     def fused_fwd_wide(
@@ -110,6 +127,7 @@ def fused_fwd_wide_kernel(
         with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
             ihk = ih // GROUPS
             v0 = iv * BV
+            tx = T.get_thread_binding()
             bos = cu_seqlens[n]
             seqlen = cu_seqlens[n + 1] - bos
             first_chunk = chunk_offsets[n]
@@ -177,7 +195,7 @@ def fused_fwd_wide_kernel(
                     if not STATES_ONLY:
                         T.wgmma_gemm(Sb, q_s, Ot, transpose_B=True, clear_accum=True, policy=ROWS)
                         if c > 0:  # every chunk but a sequence's last is full
-                            store_o(Ot_prev, o_s, o, t0 - C, C, ih, v0)
+                            store_o(Ot_prev, o_s, o, t0 - C, C, ih, v0, tx)
                     for i in T.Parallel(C):
                         eg[i] = gates_s[0, i]
                         ed[i] = gates_s[1, i]
@@ -210,8 +228,10 @@ def fused_fwd_wide_kernel(
 
             if not STATES_ONLY and seqlen > 0:
                 last = (seqlen - 1) // C
-                store_o(Ot_prev, o_s, o, bos + last * C, seqlen - last * C, ih, v0)
+                store_o(Ot_prev, o_s, o, bos + last * C, seqlen - last * C, ih, v0, tx)
             for j, d in T.Parallel(BV, K):
                 ht[n, ih, d, v0 + j] = St[j, d]
 
-    return tilelang.compile(fused_fwd_wide, target=profile.target)
+    # o_s is the only shared tile the consumers write: its barriers are the ones in store_o
+    no_auto_sync = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+    return tilelang.compile(fused_fwd_wide, target=profile.target, pass_configs=no_auto_sync)

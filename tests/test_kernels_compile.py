@@ -3,7 +3,7 @@
 Checks the generated CUDA source for the instructions the schedule is built on: wgmma for
 the tensor-core products (SM90; with register A operands in fused_fwd_wide), TMA loads for
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
-γ is summed).
+γ is summed) and for chunk_grads' tiles (they arrive under the first products).
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 """
 
@@ -40,7 +40,8 @@ KERNELS = [
     ("fused_fwd_wide_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_fp16", fused_fwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_states_only", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True, True), ("wgmma_rs", "tma_load")),
-    ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma",)),
+    # every tile by cp.async, waited for at its first use
+    ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs")),
 ]
 
 

@@ -45,11 +45,16 @@ Outputs:
 
 Schedule: grid (chunk slots, Hqk), `grads_threads` threads (two warpgroups); slots past
 the last chunk exit at once. A block loads q and k and forms Q Kᵀ and K Kᵀ once, then
-walks the Hv / Hqk v-heads of its qk-head, accumulating dq and dk. Per v-head its tiles
-(A, v, dO, dv, dv_new, S, dS') are loaded into shared memory up front, and every
-product runs on wgmma with fp32 accumulators, in three phases that keep few accumulators
-live: products with S (K S, Q S, K dS', v_new); the [C, C] products (dP, dN, N v_new,
-Nᵀ dU) with the reductions; then dq and dk.
+walks the Hv / Hqk v-heads of its qk-head, accumulating dq and dk. Every tile arrives by
+cp.async, each copy its own group, issued in the order of first use (q, k once; per v-head
+S, dS', V, dO, dU, A, dv_new) and waited for just before its first read, so the later tiles
+arrive under the first products; Q Kᵀ and K Kᵀ are formed at the first v-head's first wait.
+Every product runs on wgmma with fp32 accumulators, in three phases that keep few
+accumulators live: products with S (K S, Q S, K dS', v_new); the [C, C] products (dP, dN,
+N v_new, Nᵀ dU) with the reductions; then dq and dk, which are staged in q's and k's tiles
+for whole-row 16-byte stores (from the accumulators a store writes 4 bytes of a row).
+Against synchronous tile copies and direct stores: 16/32 8x4096 backward 3.39 -> 2.79 ms,
+1x32768 3.99 -> 3.43 (benchmark/NOTES.md v8).
 """
 
 import functools
@@ -147,28 +152,35 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             t0 = cu_seqlens[seq] + (slot - chunk_offsets[seq]) * C
             valid = T.min(C, cu_seqlens[seq + 1] - t0)
             if slot < chunk_offsets[n_seqs]:
-                T.copy(q[t0:t0 + C, ihk, :], q_s)
-                T.copy(k[t0:t0 + C, ihk, :], k_s)
-                T.gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
-                T.gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
+                # every tile arrives by cp.async, each copy its own group, issued in the order of
+                # first use (q, k, then per v-head S, dS', V, dO, dU, A, dv_new): groups complete
+                # in order, so each wait lets the later tiles keep arriving under the products
+                T.async_copy(q[t0:t0 + C, ihk, :], q_s)
+                T.async_copy(k[t0:t0 + C, ihk, :], k_s)
                 T.clear(DQ)
                 T.clear(DK)
 
                 for hg in T.serial(GROUPS):
                     ih = ihk * GROUPS + hg
-                    T.copy(A[t0:t0 + C, ih, :], a_s)
-                    T.copy(v[t0:t0 + C, ih, :], u_s)
-                    T.copy(do[t0:t0 + C, ih, :], do_s)
-                    T.copy(dv[t0:t0 + C, ih, :], du_s)
-                    T.copy(dv_new[t0:t0 + C, ih, :], dvn_s)
-                    T.copy(h[slot, ih, :, :], s_s)
-                    T.copy(dh[slot, ih, :, :], ds_s)
+                    T.sync_threads()  # the previous v-head is done with its tiles
+                    T.async_copy(h[slot, ih, :, :], s_s)
+                    T.async_copy(dh[slot, ih, :, :], ds_s)
+                    T.async_copy(v[t0:t0 + C, ih, :], u_s)
+                    T.async_copy(do[t0:t0 + C, ih, :], do_s)
+                    T.async_copy(dv[t0:t0 + C, ih, :], du_s)
+                    T.async_copy(A[t0:t0 + C, ih, :], a_s)
+                    T.async_copy(dv_new[t0:t0 + C, ih, :], dvn_s)
                     T.copy(gamma[ih, slot, :], gam_s)
                     g_last = gam_s[valid - 1]
                     for i in T.Parallel(C):
                         eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
                         ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
 
+                    T.ptx_wait_group(5)  # S, dS' (and q, k)
+                    T.sync_threads()
+                    if hg == 0:  # shared by the v-heads
+                        T.gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
+                        T.gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
                     # ⟨S, dS'⟩, summed in fp32: K rows folded onto the C rows of X
                     T.clear(X)
                     for b in T.unroll(K // C):
@@ -181,6 +193,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.gemm(k_s, s_s, KS, clear_accum=True)
                     T.gemm(q_s, s_s, QS, clear_accum=True)
                     T.gemm(k_s, ds_s, KD, clear_accum=True)
+                    T.ptx_wait_group(2)  # V, dO, dU
+                    T.sync_threads()
                     for i, j in T.Parallel(C, V):
                         X[i, j] = eg_s[i] * (scale * do_s[i, j] * QS[i, j] - du_s[i, j] * KS[i, j])
                     T.reduce_sum(X, rows, dim=1)
@@ -188,6 +202,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     for i, j in T.Parallel(C, V):
                         KS[i, j] = u_s[i, j] - eg_s[i] * KS[i, j]
                     T.copy(KS, u_s)
+                    T.ptx_wait_group(1)  # A
+                    T.sync_threads()
                     T.gemm(a_s, u_s, VN, clear_accum=True)
                     T.copy(VN, vn_s)
                     for i, j in T.Parallel(C, V):
@@ -216,6 +232,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     # W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
                     T.gemm(n_s, vn_s, QS, clear_accum=True)
                     T.gemm(n_s, du_s, KD, transpose_A=True, clear_accum=True)
+                    T.ptx_wait_group(0)  # dv_new
+                    T.sync_threads()
                     for i, j in T.Parallel(C, V):
                         X[i, j] = (dvn_s[i, j] - KD[i, j]) * (KS[i, j] - QS[i, j])
                     T.reduce_sum(X, rows, dim=1)
@@ -255,9 +273,12 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.gemm(dkk_s, k_s, DK)
                     T.gemm(dkk_s, k_s, DK, transpose_A=True)
 
+                # dq and dk staged in q's and k's tiles (free now) for whole-row 16-byte stores
+                T.copy(DQ, q_s)
+                T.copy(DK, k_s)
                 for i, d in T.Parallel(C, K):
                     if i < valid:
-                        dq[t0 + i, ihk, d] = DQ[i, d]
-                        dk[t0 + i, ihk, d] = DK[i, d]
+                        dq[t0 + i, ihk, d] = q_s[i, d]
+                        dk[t0 + i, ihk, d] = k_s[i, d]
 
     return tilelang.compile(chunk_grads, target=profile.target)

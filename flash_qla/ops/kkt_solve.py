@@ -39,7 +39,8 @@ arrive by cp.async (rows past the end zero-filled) while γ and β are loaded an
 (wgmma, fp32 accumulate); one element-wise pass then scales both accumulators in registers,
 with one exponential Γ_ij for both, and a second stores P and M to shared memory (one pass
 doing both waited for each element's γ loads behind the previous element's stores, which
-the compiler cannot reorder: the split took kkt_solve 0.349 -> 0.311 ms at 16/32 8x4096). The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
+the compiler cannot reorder: the split took kkt_solve 0.349 -> 0.311 ms at 16/32 8x4096).
+The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
   1. the four 16 x 16 diagonal blocks by forward substitution, one warp per block and
      one column of the block per lane (lanes l and l + 16 share one): a column needs no
      other lane's values, only M's rows, which the warp reads as broadcasts; the column

@@ -77,6 +77,18 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
     n_seqs = T.dynamic("n_seqs")
+    # a v-head's tiles in the order they are copied, one cp.async group each
+    TILE_ORDER = ("S", "dS'", "V", "dO", "dU", "A", "dv_new")
+
+    @T.macro
+    def arrived(pending):
+        """Wait until at most `pending` copy groups are in flight, then for every thread's copies."""
+        T.ptx_wait_group(pending)
+        T.sync_threads()
+
+    def pending_after(tile: str) -> int:
+        """Groups still in flight once `tile` (and every tile copied before it) has arrived."""
+        return len(TILE_ORDER) - 1 - TILE_ORDER.index(tile)
 
     @T.prim_func
     def chunk_grads(
@@ -163,6 +175,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                 for hg in T.serial(GROUPS):
                     ih = ihk * GROUPS + hg
                     T.sync_threads()  # the previous v-head is done with its tiles
+                    # in TILE_ORDER
                     T.async_copy(h[slot, ih, :, :], s_s)
                     T.async_copy(dh[slot, ih, :, :], ds_s)
                     T.async_copy(v[t0:t0 + C, ih, :], u_s)
@@ -176,8 +189,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
                         ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
 
-                    T.ptx_wait_group(5)  # S, dS' (and q, k)
-                    T.sync_threads()
+                    arrived(pending_after("dS'"))  # q and k came before
                     if hg == 0:  # shared by the v-heads
                         T.gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
                         T.gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
@@ -193,8 +205,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.gemm(k_s, s_s, KS, clear_accum=True)
                     T.gemm(q_s, s_s, QS, clear_accum=True)
                     T.gemm(k_s, ds_s, KD, clear_accum=True)
-                    T.ptx_wait_group(2)  # V, dO, dU
-                    T.sync_threads()
+                    arrived(pending_after("dU"))
                     for i, j in T.Parallel(C, V):
                         X[i, j] = eg_s[i] * (scale * do_s[i, j] * QS[i, j] - du_s[i, j] * KS[i, j])
                     T.reduce_sum(X, rows, dim=1)
@@ -202,8 +213,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     for i, j in T.Parallel(C, V):
                         KS[i, j] = u_s[i, j] - eg_s[i] * KS[i, j]
                     T.copy(KS, u_s)
-                    T.ptx_wait_group(1)  # A
-                    T.sync_threads()
+                    arrived(pending_after("A"))
                     T.gemm(a_s, u_s, VN, clear_accum=True)
                     T.copy(VN, vn_s)
                     for i, j in T.Parallel(C, V):
@@ -232,8 +242,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     # W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
                     T.gemm(n_s, vn_s, QS, clear_accum=True)
                     T.gemm(n_s, du_s, KD, transpose_A=True, clear_accum=True)
-                    T.ptx_wait_group(0)  # dv_new
-                    T.sync_threads()
+                    arrived(pending_after("dv_new"))
                     for i, j in T.Parallel(C, V):
                         X[i, j] = (dvn_s[i, j] - KD[i, j]) * (KS[i, j] - QS[i, j])
                     T.reduce_sum(X, rows, dim=1)

@@ -54,8 +54,8 @@ def test_kernel_compiles_for_sm90(name, factory, args, instructions):
 
 @pytest.mark.parametrize("states_only", [False, True])
 def test_fused_fwd_wide_chains_share_no_barrier(states_only):
-    """The wide walk's consumer warpgroups never wait for each other: TileLang's automatic block-wide
-    barriers are off there, and its only named barriers (o's staging) count one warpgroup's threads."""
+    """The wide walk's consumer warpgroups never wait for each other: its only named barriers (o's
+    staging) count one warpgroup's threads, and TileLang adds no block-wide barrier of its own."""
     source = fused_fwd_wide_kernel(16, 32, 128, 128, 128, "bfloat16", SM90, True, True, states_only).get_kernel_source()
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
     assert all(b.endswith(", 128") for b in barriers), barriers

@@ -17,9 +17,8 @@ write is staged there except o for its store. So the consumer warpgroups, one pe
 columns, share the ring's q, k, A and P tiles but nothing else: each runs an independent
 chain, and two chains per SM hide each other's latency. They never wait for each other
 either: each stages and stores only its own 64 columns of o, between named barriers of its
-own 128 threads, and TileLang's automatic block-wide barriers are switched off for this
-kernel (o_s is the only shared tile the consumers write; the ring is synchronised by its
-mbarriers). 16/32 8x4096: the walk takes 0.291 ms (0.333 with one consumer-wide barrier pair
+own 128 threads (o_s is the only shared tile the consumers write, and TileLang, seeing these
+barriers, adds no block-wide one; the ring is synchronised by its mbarriers). 16/32 8x4096: the walk takes 0.291 ms (0.333 with one consumer-wide barrier pair
 per chunk, fused_fwd at BV = 64 0.466; benchmark/NOTES.md v7 steps 2-3, v8 step 1). wgmma's
 M is 64 rows per warpgroup, so this form needs BV >= 64; narrower tiles (few sequences x
 heads) run fused_fwd.
@@ -232,6 +231,4 @@ def fused_fwd_wide_kernel(
             for j, d in T.Parallel(BV, K):
                 ht[n, ih, d, v0 + j] = St[j, d]
 
-    # o_s is the only shared tile the consumers write: its barriers are the ones in store_o
-    no_auto_sync = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
-    return tilelang.compile(fused_fwd_wide, target=profile.target, pass_configs=no_auto_sync)
+    return tilelang.compile(fused_fwd_wide, target=profile.target)

@@ -40,7 +40,7 @@ def _dense_cu_seqlens(B, T, device):
     """[0, T, 2T, ..., BT] int32, built once per (B, T, device).
 
     The layers of a step and the steps of a run share it, and with it the chunk table derived
-    from it (flash_qla.ops.forward.chunk_offsets_of). Nothing writes to it.
+    from it (flash_qla.ops.chunks). Nothing writes to it.
     """
     return torch.arange(B + 1, dtype=torch.int32, device=device) * T
 

@@ -7,8 +7,9 @@ import torch
 from gpu_cases import CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
-from flash_qla.ops.backward import BACKWARD_BLOCK_V_CHOICES, sequence_of_chunks
-from flash_qla.ops.forward import BLOCK_V_CHOICES, choose_block_v, chunk_offsets_of, kernel_unsupported_reason
+from flash_qla.ops.backward import BACKWARD_BLOCK_V_CHOICES
+from flash_qla.ops.chunks import chunk_offsets_of, chunk_table
+from flash_qla.ops.forward import BLOCK_V_CHOICES, choose_block_v, kernel_unsupported_reason
 from flash_qla.precompile import main as precompile_main
 
 
@@ -72,17 +73,22 @@ def test_precompile_rejects_bad_heads(heads, capsys):
 @pytest.mark.parametrize(
     "lengths", [(64,), (0, 1, 63, 64, 65, 0, 130, 1), (1000, 0, 0, 3), (0, 0, 5)], ids=lambda x: "-".join(map(str, x))
 )
-def test_sequence_of_chunks_skips_empty_sequences(lengths):
-    """Every global chunk maps to the sequence that holds it; the launcher's extra slots to the last one."""
+def test_chunk_table_skips_empty_sequences(lengths):
+    """Every global chunk's (first token, tokens), in order; the launcher's extra slots hold 0 tokens."""
+    C = SM90.chunk
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    offsets = chunk_offsets_of(cu, SM90.chunk)
-    expected = [n for n, length in enumerate(lengths) for _ in range(-(-length // SM90.chunk))]
-    slots = sum(lengths) // SM90.chunk + len(lengths)  # the launcher's upper bound
-    got = sequence_of_chunks(offsets, slots).tolist()
-    assert got[: len(expected)] == expected
-    assert all(n == len(lengths) - 1 for n in got[len(expected):])
-    # the layers of a step share cu_seqlens, hence chunk_offsets: the map is built once
-    assert sequence_of_chunks(offsets, slots) is sequence_of_chunks(offsets, slots)
+    expected = [
+        [start + c * C, min(C, length - c * C)]
+        for start, length in zip(cu.tolist(), lengths)
+        for c in range(-(-length // C))
+    ]
+    slots = sum(lengths) // C + len(lengths)  # the launcher's upper bound
+    got = chunk_table(cu, C, slots)
+    assert got.dtype == torch.int32 and got.shape == (slots, 2)
+    assert got[: len(expected)].tolist() == expected
+    assert (got[len(expected):, 1] == 0).all()
+    # the layers of a step share cu_seqlens: the table is built once
+    assert chunk_table(cu, C, slots) is got
 
 
 def test_chunk_offsets_recomputed_after_in_place_edit():

@@ -82,7 +82,7 @@ def test_low_level_forward_intermediates(case, poisoned):
 def test_kkt_gates_are_the_gate_exponentials():
     """kkt_solve's `gates` (fused_fwd_wide's gate input): e^γ and e^{γ_L − γ} of each chunk's tokens, 0 past its end."""
     from flash_qla.arch import get_profile
-    from flash_qla.ops.forward import chunk_offsets_of
+    from flash_qla.ops.chunks import chunk_offsets_of, chunk_table
     from flash_qla.ops.kkt_solve import kkt_solve_kernel
 
     seqlens, (Hqk, Hv), C = (0, 1, 63, 64, 65, 130), (4, 8), 64
@@ -99,7 +99,7 @@ def test_kkt_gates_are_the_gate_exponentials():
     kkt = kkt_solve_kernel(Hqk, Hv, 128, "bfloat16", get_profile(x["q"].device), "float32")
     q, k = x["q"][0].contiguous(), x["k"][0].contiguous()
     g, beta = x["g"][0].float().contiguous(), x["beta"][0].float().contiguous()
-    kkt(q, k, g, beta, cu, offsets, g_cum, gamma, gates, A, P, slots)
+    kkt(q, k, g, beta, chunk_table(cu, C, slots), g_cum, gamma, gates, A, P, slots)
 
     valid = torch.cat([(n - torch.arange(0, n, C)).clamp(max=C) for n in seqlens if n > 0]).cuda()  # tokens per chunk
     chunks = valid.numel()

@@ -3,7 +3,8 @@
 Checks the generated CUDA source for the instructions the schedule is built on: wgmma for
 the tensor-core products (SM90; with register A operands in fused_fwd_wide), TMA loads for
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
-γ is summed) and for chunk_grads' tiles (they arrive under the first products).
+γ is summed) and for chunk_grads' tiles (they arrive under the first products), and
+chunk_grads' batched reductions.
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 """
 
@@ -61,6 +62,14 @@ def test_fused_fwd_wide_chains_share_no_barrier(states_only):
     assert all(b.endswith(", 128") for b in barriers), barriers
     assert len(barriers) == (0 if states_only else 4)  # before and after o's staging, in and after the loop
     assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
+
+
+def test_chunk_grads_reductions_are_batched():
+    """chunk_grads' row and column sums exchange all of a thread's results under one barrier pair
+    (one pair per result cost ~80 block-wide barriers a v-head)."""
+    source = chunk_grads_kernel(16, 32, 128, 128, "bfloat16", SM90).get_kernel_source()
+    reductions = re.findall(r"tl::AllReduce<[^;]*>::(\w+)\(", source)
+    assert reductions and set(reductions) == {"run_batch"}, reductions
 
 
 def test_precompile_lists_every_forward_kernel():

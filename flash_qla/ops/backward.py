@@ -19,19 +19,11 @@ import torch
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
-from flash_qla.ops.forward import (
-    BLOCK_V_CHOICES,
-    DTYPE_NAMES,
-    WIDE_BLOCK_V,
-    choose_block_v,
-    chunk_offsets_of,
-    walk_gate,
-    walk_kernel,
-)
+from flash_qla.ops.chunks import chunk_offsets_of, chunk_table
+from flash_qla.ops.forward import BLOCK_V_CHOICES, DTYPE_NAMES, WIDE_BLOCK_V, choose_block_v, walk_gate, walk_kernel
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 from flash_qla.ops.launch import executable
-from flash_qla.tensor_cache import cache_last
 
 # V-tile widths of fused_bwd: one consumer warpgroup holds the [K, BV] fp32 dS, so BV <= 64
 BACKWARD_BLOCK_V_CHOICES = tuple(bv for bv in BLOCK_V_CHOICES if bv != WIDE_BLOCK_V)
@@ -61,6 +53,7 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     cu_seqlens = cu_seqlens.contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
     slots = T // C + N  # upper bound of the number of chunks, known without a sync
+    chunks = chunk_table(cu_seqlens, C, slots)
     placeholder = buffers.placeholder(q.device, Hv, K, V)
     f32 = torch.float32
 
@@ -69,7 +62,7 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     gates = buffers.new((Hv, slots, 2, C), f32, q.device)
     P = buffers.new((T, Hv, C), q.dtype, q.device)
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, "float32", True)  # backward mode: β is not read
-    executable(kkt)(q, k, g_cum, g_cum, cu_seqlens, chunk_offsets, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
+    executable(kkt)(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
 
     # 2. states at every chunk start (the final state is a by-product; o is not computed)
     BV = choose_block_v(N, Hv, V, profile)
@@ -91,11 +84,10 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     executable(walk)(q, k, do, gamma, A, P, cu_seqlens, chunk_offsets, dht, dh, dv_new, dv, dh0, scale)
 
     # 4. chunk gradients
-    chunk_seq = sequence_of_chunks(chunk_offsets, slots)
     dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
     dbeta, dg = buffers.new((T, Hv), f32, q.device), buffers.new((T, Hv), f32, q.device)
     grads = chunk_grads_kernel(Hqk, Hv, K, V, dtype, profile)
-    executable(grads)(q, k, v, do, dv_new, dv, A, gamma, h, dh, cu_seqlens, chunk_offsets, chunk_seq, dq, dk, dbeta, dg, scale, slots)
+    executable(grads)(q, k, v, do, dv_new, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, scale, slots)
 
     return (
         dq[None],
@@ -105,18 +97,6 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
         dg.to(g_dtype)[None],
         dh0 if has_h0 else None,
     )
-
-
-@cache_last  # chunk_offsets is itself cached per cu_seqlens: the layers of a step share this
-def sequence_of_chunks(chunk_offsets: torch.Tensor, slots: int) -> torch.Tensor:
-    """[slots] int32: the sequence holding each global chunk (device-side, no sync).
-
-    The last n with chunk_offsets[n] <= slot, so empty sequences (whose offset equals the
-    next one's) are skipped; slots past the last chunk get the last sequence.
-    """
-    slot_ids = torch.arange(slots, dtype=torch.int32, device=chunk_offsets.device)
-    seq = torch.searchsorted(chunk_offsets, slot_ids, right=True, out_int32=True).sub_(1)
-    return seq.clamp_(0, chunk_offsets.numel() - 2)
 
 
 def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):

@@ -37,8 +37,8 @@ Inputs (packed varlen, T tokens in all):
     gamma      [Hv, slots, C] fp32 γ chunk-major (kkt_solve)
     h, dh      [slots, Hv, K, V] input dtype: S and dS' of every chunk (slot = global chunk
                index), as the tensor-core products read them
-    cu_seqlens, chunk_offsets [N+1] int32
-    chunk_seq  [slots] int32, the sequence of each global chunk (any value past the last)
+    chunk_table [slots, 2] int32: (first token, tokens) of each global chunk
+               (flash_qla.ops.chunks; 0 tokens past the last chunk)
 Outputs:
     dq, dk     [T, Hqk, K]   input dtype
     dbeta, dg  [T, Hv]       fp32
@@ -54,7 +54,11 @@ accumulators live: products with S (K S, Q S, K dS', v_new); the [C, C] products
 N v_new, Nᵀ dU) with the reductions; then dq and dk, which are staged in q's and k's tiles
 for whole-row 16-byte stores (from the accumulators a store writes 4 bytes of a row).
 Against synchronous tile copies and direct stores: 16/32 8x4096 backward 3.39 -> 2.79 ms,
-1x32768 3.99 -> 3.43 (benchmark/NOTES.md v8).
+1x32768 3.99 -> 3.43 (benchmark/NOTES.md v8). The row and column sums batch each thread's
+results into one exchange between the warpgroups (`ROW_BATCH`, `COL_BATCH`): the reductions
+take 31 block-wide barriers a v-head where one exchange per result took 76; chunk_grads
+1.59 -> 1.44 ms at 16/32 8x4096, results bitwise equal (benchmark/NOTES.md v9). A chunk's first token and length come from the
+chunk table (flash_qla.ops.chunks) with one load.
 """
 
 import functools
@@ -74,9 +78,15 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     GROUPS = Hv // Hqk
     assert K % C == 0, "⟨S, dS'⟩ folds K rows onto C"
     accum = "float32"
+    # Reductions over a wgmma accumulator, whose threads hold 2 of their warp's 16 rows and 2 of
+    # every 8 columns (the warpgroups split the columns): a thread's results go through one
+    # batched exchange, one set of barriers for all (a set each took 76 barriers a v-head).
+    # Each batched result takes a [threads] fp32 workspace in shared memory: the column sums
+    # (8 a thread) go in two batches of 4, so the block stays under the 227 KB limit
+    ROW_BATCH = 2
+    COL_BATCH = 4
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
-    n_seqs = T.dynamic("n_seqs")
     # a v-head's tiles in the order they are copied, one cp.async group each
     TILE_ORDER = ("S", "dS'", "V", "dO", "dU", "A", "dv_new")
 
@@ -102,9 +112,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
         gamma: T.Tensor([Hv, n_slots, C], accum),
         h: T.Tensor([n_slots, Hv, K, V], dtype),
         dh: T.Tensor([n_slots, Hv, K, V], dtype),
-        cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
-        chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
-        chunk_seq: T.Tensor([n_slots], "int32"),
+        chunk_table: T.Tensor([n_slots, 2], "int32"),
         dq: T.Tensor([tokens, Hqk, K], dtype),
         dk: T.Tensor([tokens, Hqk, K], dtype),
         dbeta: T.Tensor([tokens, Hv], accum),
@@ -154,16 +162,14 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             rows = T.alloc_fragment([C], accum)  # row sums of [C, V] tiles
             r_rows = T.alloc_fragment([C], accum)
             r_cols = T.alloc_fragment([C], accum)
-            seq = T.alloc_var("int32")
             t0 = T.alloc_var("int32")
             valid = T.alloc_var("int32")
             g_last = T.alloc_var(accum)
             at_last = T.alloc_var(accum)
 
-            seq = chunk_seq[slot]
-            t0 = cu_seqlens[seq] + (slot - chunk_offsets[seq]) * C
-            valid = T.min(C, cu_seqlens[seq + 1] - t0)
-            if slot < chunk_offsets[n_seqs]:
+            t0 = chunk_table[slot, 0]
+            valid = chunk_table[slot, 1]
+            if valid > 0:
                 # every tile arrives by cp.async, each copy its own group, issued in the order of
                 # first use (q, k, then per v-head S, dS', V, dO, dU, A, dv_new): groups complete
                 # in order, so each wait lets the later tiles keep arriving under the products
@@ -198,7 +204,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     for b in T.unroll(K // C):
                         for i, j in T.Parallel(C, V):
                             X[i, j] = X[i, j] + s_s[b * C + i, j] * ds_s[b * C + i, j]
-                    T.reduce_sum(X, rows, dim=1)
+                    T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
                     T.copy(rows, sd_s)
 
                     # 1. products with the states; U, v_new
@@ -208,7 +214,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     arrived(pending_after("dU"))
                     for i, j in T.Parallel(C, V):
                         X[i, j] = eg_s[i] * (scale * do_s[i, j] * QS[i, j] - du_s[i, j] * KS[i, j])
-                    T.reduce_sum(X, rows, dim=1)
+                    T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
                     T.copy(rows, dg_s)
                     for i, j in T.Parallel(C, V):
                         KS[i, j] = u_s[i, j] - eg_s[i] * KS[i, j]
@@ -218,7 +224,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.copy(VN, vn_s)
                     for i, j in T.Parallel(C, V):
                         X[i, j] = VN[i, j] * KD[i, j]
-                    T.reduce_sum(X, rows, dim=1)
+                    T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
                     T.copy(rows, vk_s)
 
                     # 2. the [C, C] products and the reductions over them
@@ -234,9 +240,9 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.copy(DP, dqk_s)
                     T.copy(DN, dkk_s)
                     T.copy(NN, n_s)
-                    T.reduce_sum(R, r_rows, dim=1)
+                    T.reduce_sum(R, r_rows, dim=1, batch=ROW_BATCH)
                     T.copy(r_rows, rr_s)
-                    T.reduce_sum(R, r_cols, dim=0)
+                    T.reduce_sum(R, r_cols, dim=0, batch=COL_BATCH)
                     T.copy(r_cols, rc_s)
 
                     # W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
@@ -245,7 +251,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     arrived(pending_after("dv_new"))
                     for i, j in T.Parallel(C, V):
                         X[i, j] = (dvn_s[i, j] - KD[i, j]) * (KS[i, j] - QS[i, j])
-                    T.reduce_sum(X, rows, dim=1)
+                    T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
                     for i in T.Parallel(C):
                         if i < valid:
                             dbeta[t0 + i, ih] = rows[i]

@@ -11,11 +11,11 @@ import torch
 
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
+from flash_qla.ops.chunks import chunk_offsets_of, chunk_table
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 from flash_qla.ops.launch import executable
-from flash_qla.tensor_cache import cache_last
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = ((128, 128),)
@@ -79,13 +79,6 @@ def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
     return beta.dtype if beta.dtype == q.dtype else torch.float32
 
 
-@cache_last
-def chunk_offsets_of(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
-    """[N+1] int32: index of each sequence's first chunk among all chunks (device-side, no sync)."""
-    n_chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
-    return torch.nn.functional.pad(torch.cumsum(n_chunks, 0), (1, 0)).to(torch.int32)
-
-
 def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h):
     """The GPU forward; arguments and returns as flash_qla.dispatch._forward.
 
@@ -112,15 +105,16 @@ def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_
     beta = contiguous_in(beta.squeeze(0), beta_kernel_dtype(beta, q))
     cu_seqlens = cu_seqlens.contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
-
     slots = T // C + N  # upper bound of the number of chunks, known without a sync
+    chunks = chunk_table(cu_seqlens, C, slots)
+
     g_cum = buffers.new((T, Hv), torch.float32, device)
     gamma = buffers.new((Hv, slots, C), torch.float32, device)  # γ again, chunk-major, for the fused kernel
     gates = buffers.new((Hv, slots, 2, C), torch.float32, device)  # e^γ, e^{γ_L − γ}: fused_fwd_wide's γ
     A = buffers.new((T, Hv, C), q.dtype, device)
     P = buffers.new((T, Hv, C), q.dtype, device)  # Q Kᵀ ⊙ Γ ⊙ Lower
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, DTYPE_NAMES.get(beta.dtype, "float32"))
-    executable(kkt)(q, k, g, beta, cu_seqlens, chunk_offsets, g_cum, gamma, gates, A, P, slots)
+    executable(kkt)(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, slots)
 
     placeholder = buffers.placeholder(device, Hv, K, V)
     o = buffers.new(v.shape, v.dtype, device)

@@ -17,8 +17,8 @@ Inputs (packed varlen, T tokens in all):
     g       [T, Hv]      fp32 (the launcher converts)
     beta    [T, Hv]      the input dtype or fp32 (`beta_dtype`; read as fp32: no cast launch
                          for the common bf16 / fp16 β)
-    cu_seqlens    [N+1]  int32
-    chunk_offsets [N+1]  int32, first global chunk index of each sequence
+    chunk_table [slots, 2] int32, (first token, tokens) of each global chunk
+                         (flash_qla.ops.chunks; 0 tokens past the last chunk)
 Outputs:
     g_cum   [T, Hv]      fp32
     gamma   [Hv, slots, C] fp32, γ again, chunk-major (slot = global chunk index): the
@@ -31,11 +31,12 @@ Outputs:
 
 Schedule: grid (chunk slots, Hv), one warpgroup per block, `profile.kkt_blocks_per_sm`
 blocks resident per SM (a register cap for ptxas: the stage is latency bound, so
-occupancy pays); slot j finds its (sequence, chunk) by a binary search over
-chunk_offsets (no host-side chunk table, so no host synchronisation). The launcher sizes
-the grid with the upper bound T // C + N; slots past the last chunk exit at once. q and k
-arrive by cp.async (rows past the end zero-filled) while γ and β are loaded and γ summed
-(6 % faster than synchronous loads). Q Kᵀ and K Kᵀ run together on the tensor cores
+occupancy pays); slot j reads its chunk's first token and length from the chunk table
+with one load (it was a binary search over chunk_offsets: the same time, 0.31 ms at 16/32
+8x4096, so the prologue's wait is not the search). The launcher sizes the grid with the
+upper bound T // C + N; slots past the last chunk exit at once. q and k arrive by
+cp.async (rows past the end zero-filled) while γ and β are loaded and γ summed (6 %
+faster than synchronous loads). Q Kᵀ and K Kᵀ run together on the tensor cores
 (wgmma, fp32 accumulate); one element-wise pass then scales both accumulators in registers,
 with one exponential Γ_ij for both, and a second stores P and M to shared memory (one pass
 doing both waited for each element's γ loads behind the previous element's stores, which
@@ -86,7 +87,6 @@ def kkt_solve_kernel(
     accum = "float32"
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
-    n_seqs = T.dynamic("n_seqs")
 
     @T.macro
     def merge(x_s, t_s, acc, tx, s: int):
@@ -140,8 +140,7 @@ def kkt_solve_kernel(
         k: T.Tensor([tokens, Hqk, K], dtype),
         g: T.Tensor([tokens, Hv], accum),
         beta: T.Tensor([tokens, Hv], beta_dtype),
-        cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
-        chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        chunk_table: T.Tensor([n_slots, 2], "int32"),
         g_cum: T.Tensor([tokens, Hv], accum),
         gamma: T.Tensor([Hv, n_slots, C], accum),
         gates: T.Tensor([Hv, n_slots, 2, C], accum),
@@ -166,26 +165,12 @@ def kkt_solve_kernel(
             QK = T.alloc_fragment([C, C], accum)
             xc = T.alloc_local([DIAG], accum)  # this lane's column of its diagonal block of X
             acc = T.alloc_local([8], accum)
-            lo = T.alloc_var("int32")
-            hi = T.alloc_var("int32")
-            mid = T.alloc_var("int32")
             t0 = T.alloc_var("int32")
             valid = T.alloc_var("int32")
-            n_chunks = T.alloc_var("int32")
 
-            # slot -> sequence: the last n with chunk_offsets[n] <= slot
-            lo = 0
-            hi = n_seqs
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if chunk_offsets[mid] <= slot:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            t0 = cu_seqlens[lo] + (slot - chunk_offsets[lo]) * C
-            valid = T.min(C, cu_seqlens[lo + 1] - t0)
-            n_chunks = chunk_offsets[n_seqs]  # read once: the guard below is re-tested per phase
-            if slot < n_chunks:
+            t0 = chunk_table[slot, 0]
+            valid = chunk_table[slot, 1]
+            if valid > 0:
                 # q and k arrive by cp.async while γ and β are loaded and γ is summed
                 T.async_copy(q[t0:t0 + C, ihk, :], q_s)
                 T.async_copy(k[t0:t0 + C, ihk, :], k_s)

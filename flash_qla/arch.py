@@ -27,6 +27,7 @@ class ArchProfile:
     kkt_blocks_per_sm: int  # kkt_solve blocks kept resident per SM (caps its registers)
     num_stages: int  # depth of the shared-memory ring in the fused kernels
     num_sms: int  # multiprocessors of the reference part (V-tile choice)
+    max_shared_memory: int  # bytes of shared memory one block may opt in to
 
     @property
     def target(self) -> dict:
@@ -47,6 +48,7 @@ SM90 = ArchProfile(
     kkt_blocks_per_sm=5,  # <= 102 registers a thread (at 6, 80 registers, ptxas spills: 19 % slower)
     num_stages=2,
     num_sms=132,
+    max_shared_memory=227 * 1024,
 )
 
 # compute capability -> profile; SM100 / SM120 are added here as new profiles.

@@ -4,7 +4,7 @@ Checks the generated CUDA source for the instructions the schedule is built on: 
 the tensor-core products (SM90; with register A operands in fused_fwd_wide), TMA loads for
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
 γ is summed) and for chunk_grads' tiles (they arrive under the first products), and
-chunk_grads' batched reductions.
+chunk_grads' batched reductions; and that each block's shared memory fits the SM.
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 """
 
@@ -62,6 +62,20 @@ def test_fused_fwd_wide_chains_share_no_barrier(states_only):
     assert all(b.endswith(", 128") for b in barriers), barriers
     assert len(barriers) == (0 if states_only else 4)  # before and after o's staging, in and after the loop
     assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
+
+
+# the last integer argument of each TVM-FFI call in a kernel's host code; the kernel launch's
+# is its dynamic shared memory (the largest of them)
+LAUNCH_TAIL = re.compile(r"v_int64\) = \(\(int64_t\)(\d+)\);\s*\(\(\(TVMFFIAny\*\)stack_ffi_any\)\[\d+\]\.type_index\) = 0;")
+
+
+@pytest.mark.parametrize("name,factory,args,instructions", KERNELS, ids=[k[0] for k in KERNELS])
+def test_kernel_fits_shared_memory(name, factory, args, instructions):
+    """A block's dynamic shared memory fits the architecture's limit: over it, only the launch on
+    the GPU fails ("Failed to set the allowed dynamic shared memory size")."""
+    launch_args = [int(x) for x in LAUNCH_TAIL.findall(factory(*args).get_host_source())]
+    assert launch_args, f"{name}: no kernel launch found in the host code"
+    assert 0 < max(launch_args) <= SM90.max_shared_memory, f"{name}: {max(launch_args)} bytes of shared memory"
 
 
 def test_chunk_grads_reductions_are_batched():

@@ -35,7 +35,10 @@ TileLang warp-specializes a producer warpgroup and one wgmma consumer warpgroup.
 in fp32 registers and is staged to shared memory in the input dtype once per chunk as the
 operand of K dS'. The products that do not wait on each other run in flight together: K
 dS', Pᵀ dO and Qᵀ dO (into the decayed dS), then Aᵀ dv_new, then Kᵀ dv; three waits per
-chunk instead of five.
+chunk instead of five. The consumer reads the dO tile into registers (which also frees its
+ring slot) before storing its two scaled copies: read from shared memory element by element,
+each load waited behind the previous element's stores, which the compiler may not reorder
+(the walk 0.734 -> 0.659 ms at 16/32 8x4096, outputs bitwise equal; benchmark/NOTES.md v9).
 """
 
 import functools
@@ -120,6 +123,7 @@ def fused_bwd_kernel(
             DVN = T.alloc_fragment([C, BV], accum)
             KD = T.alloc_fragment([C, BV], accum)
             DV = T.alloc_fragment([C, BV], accum)
+            DO = T.alloc_fragment([C, BV], dtype)  # dO in registers: the stores of its scaled copies wait on no load
             # the same gate factors in registers, laid out like the accumulators' rows
             eg = T.alloc_fragment([C], accum)
             ed = T.alloc_fragment([C], accum)  # e^{γ_L − γ}, 0 past the end
@@ -149,9 +153,10 @@ def fused_bwd_kernel(
                     ed[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
                 T.copy(dS, ds_s)
                 T.copy(ds_s, dh[first_chunk + c, ih, :, v0:v0 + BV])
+                T.copy(do_s, DO)
                 for i, j in T.Parallel(C, BV):
-                    dom_s[i, j] = T.if_then_else(i < valid, do_s[i, j] * scale, 0.0)
-                    doe_s[i, j] = do_s[i, j] * (scale * eg_s[i])
+                    dom_s[i, j] = T.if_then_else(i < valid, DO[i, j] * scale, 0.0)
+                    doe_s[i, j] = DO[i, j] * (scale * eg_s[i])
 
                 # dS <- e^{γ_L} dS' + Qᵀ diag(scale e^γ) dO − Kᵀ diag(e^γ) dv: the first two terms
                 # now, in flight with the products of dv_new = scale Pᵀ dO + diag(e^{γ_L − γ}) K dS'

@@ -22,7 +22,7 @@ class ArchProfile:
     arch: str  # TileLang/NVCC arch, e.g. "sm_90a"
     chunk: int  # tokens per chunk (C)
     threads: int  # threads per block of the chunk-parallel stages
-    fused_threads: int  # consumer threads of fused_fwd / fused_bwd (fused_fwd_wide: a warpgroup per 64 columns)
+    fused_threads: int  # consumer threads of fused_fwd / fused_bwd (the wide walks: a warpgroup per 64 columns)
     grads_threads: int  # threads per block of the chunk-parallel backward (chunk_grads)
     kkt_blocks_per_sm: int  # kkt_solve blocks kept resident per SM (caps its registers)
     num_stages: int  # depth of the shared-memory ring in the fused kernels

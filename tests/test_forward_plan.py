@@ -7,7 +7,6 @@ import torch
 from gpu_cases import CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
-from flash_qla.ops.backward import BACKWARD_BLOCK_V_CHOICES
 from flash_qla.ops.chunks import chunk_offsets_of, chunk_table
 from flash_qla.ops.forward import BLOCK_V_CHOICES, choose_block_v, kernel_unsupported_reason
 from flash_qla.precompile import main as precompile_main
@@ -37,8 +36,6 @@ def test_chunk_offsets(seqlens, expected):
 def test_block_v_least_walk_time(n_seqs, Hv, expected):
     """One wave of narrow tiles beats one of wide tiles; one wave of wide tiles beats two narrow."""
     assert choose_block_v(n_seqs, Hv, 128, SM90) == expected
-    # fused_bwd's widths stop at 64 (its dS is [K, BV] fp32 in one warpgroup's registers)
-    assert choose_block_v(n_seqs, Hv, 128, SM90, BACKWARD_BLOCK_V_CHOICES) == min(expected, 64)
 
 
 def test_gpu_cases_cover_every_block_v():

@@ -1,7 +1,7 @@
 """Every kernel stage lowers and compiles for each architecture profile, without a GPU.
 
 Checks the generated CUDA source for the instructions the schedule is built on: wgmma for
-the tensor-core products (SM90; with register A operands in fused_fwd_wide), TMA loads for
+the tensor-core products (SM90; with register A operands in the wide walks), TMA loads for
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
 γ is summed) and for chunk_grads' tiles (they arrive under the first products), and
 chunk_grads' batched reductions; and that each block's shared memory fits the SM.
@@ -14,10 +14,11 @@ import shutil
 import pytest
 
 from flash_qla.arch import SM90
-from flash_qla.ops.backward import BACKWARD_BLOCK_V_CHOICES, backward_kernel_builds
+from flash_qla.ops.backward import backward_kernel_builds
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
 from flash_qla.ops.forward import BLOCK_V_CHOICES, forward_kernel_builds
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
+from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
@@ -41,6 +42,8 @@ KERNELS = [
     ("fused_fwd_wide_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_fp16", fused_fwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_states_only", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True, True), ("wgmma_rs", "tma_load")),
+    ("fused_bwd_wide_dht_dh0", fused_bwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
+    ("fused_bwd_wide_fp16", fused_bwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
     # every tile by cp.async, waited for at its first use
     ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs")),
 ]
@@ -61,6 +64,16 @@ def test_fused_fwd_wide_chains_share_no_barrier(states_only):
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
     assert all(b.endswith(", 128") for b in barriers), barriers
     assert len(barriers) == (0 if states_only else 4)  # before and after o's staging, in and after the loop
+    assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
+
+
+def test_fused_bwd_wide_chains_share_no_barrier():
+    """As the wide forward: the backward walk's warpgroups meet at no barrier (dv_new's and dv's
+    staging synchronise one warpgroup's threads)."""
+    source = fused_bwd_wide_kernel(16, 32, 128, 128, 128, "bfloat16", SM90, True, True).get_kernel_source()
+    barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
+    assert all(b.endswith(", 128") for b in barriers), barriers
+    assert len(barriers) == 4  # before and after each of the two stagings
     assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
 
 
@@ -97,9 +110,13 @@ def test_precompile_lists_every_forward_kernel():
 def test_precompile_lists_every_backward_kernel():
     builds = backward_kernel_builds(SM90, 16, 32, "bfloat16")
     assert {f.__name__ for f, _ in builds} == {
-        "kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel", "fused_bwd_kernel", "chunk_grads_kernel"
+        "kkt_solve_kernel",
+        "fused_fwd_kernel",
+        "fused_fwd_wide_kernel",
+        "fused_bwd_kernel",
+        "fused_bwd_wide_kernel",
+        "chunk_grads_kernel",
     }
     # kkt_solve in backward mode; for every V-tile width the states-only forward walk with and
-    # without h0; for every width of fused_bwd the backward walk with and without dht / dh0;
-    # chunk_grads
-    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * 2 + len(BACKWARD_BLOCK_V_CHOICES) * 2 * 2 + 1
+    # without h0 and the backward walk with and without dht / dh0; chunk_grads
+    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * 2 + len(BLOCK_V_CHOICES) * 2 * 2 + 1

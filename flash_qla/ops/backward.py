@@ -9,7 +9,8 @@ Reads like flash_qla/reference/backward_stages.py:
      0.13 ms of extra writes in the forward at the copy bandwidth, an estimate); the
      recompute measured 0.79 ms there (H200, benchmark/NOTES.md). Memory wins at the
      lengths training runs;
-  3. fused_bwd: the state gradients dS' walked backward in time, dv, dv_new, dh0;
+  3. the backward walk (fused_bwd, or fused_bwd_wide for V-tiles of 128 columns): the
+     state gradients dS' walked backward in time, dv, dv_new, dh0;
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel.
 """
@@ -22,11 +23,14 @@ from flash_qla.ops.chunk_grads import chunk_grads_kernel
 from flash_qla.ops.chunks import chunk_offsets_of, chunk_table
 from flash_qla.ops.forward import BLOCK_V_CHOICES, DTYPE_NAMES, WIDE_BLOCK_V, choose_block_v, walk_gate, walk_kernel
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
+from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 from flash_qla.ops.launch import executable
 
-# V-tile widths of fused_bwd: one consumer warpgroup holds the [K, BV] fp32 dS, so BV <= 64
-BACKWARD_BLOCK_V_CHOICES = tuple(bv for bv in BLOCK_V_CHOICES if bv != WIDE_BLOCK_V)
+
+def backward_walk_kernel(BV: int):
+    """The backward walk's kernel factory for V-tiles of BV columns (the gate as in walk_gate)."""
+    return fused_bwd_wide_kernel if BV == WIDE_BLOCK_V else fused_bwd_kernel
 
 
 def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens):
@@ -64,14 +68,16 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, "float32", True)  # backward mode: β is not read
     executable(kkt)(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
 
-    # 2. states at every chunk start (the final state is a by-product; o is not computed)
+    # 2. states at every chunk start (the final state is a by-product; o is not computed);
+    # both walks run V-tiles of BV columns
     BV = choose_block_v(N, Hv, V, profile)
+    gate = walk_gate(BV, gamma, gates)
     h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
     h0 = placeholder if initial_state is None else initial_state.contiguous()
     fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True, True)
     ht = torch.empty(N, Hv, K, V, dtype=f32, device=q.device)
     # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
-    executable(fused)(q, k, v, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
+    executable(fused)(q, k, v, gate, A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
 
     # 3. state gradients, backward in time
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
@@ -79,9 +85,8 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     has_dht, has_h0 = dht is not None, initial_state is not None
     dht = dht.to(f32).contiguous() if has_dht else placeholder
     dh0 = buffers.new((N, Hv, K, V), f32, q.device) if has_h0 else placeholder
-    BV = choose_block_v(N, Hv, V, profile, BACKWARD_BLOCK_V_CHOICES)
-    walk = fused_bwd_kernel(Hqk, Hv, K, V, BV, dtype, profile, has_dht, has_h0)
-    executable(walk)(q, k, do, gamma, A, P, cu_seqlens, chunk_offsets, dht, dh, dv_new, dv, dh0, scale)
+    walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, has_dht, has_h0)
+    executable(walk)(q, k, do, gate, A, P, cu_seqlens, chunk_offsets, dht, dh, dv_new, dv, dh0, scale)
 
     # 4. chunk gradients
     dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
@@ -105,9 +110,9 @@ def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, 
     for bv in BLOCK_V_CHOICES:
         for has_h0 in (False, True):
             builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, True, True)))
-    for bv in BACKWARD_BLOCK_V_CHOICES:
+    for bv in BLOCK_V_CHOICES:
         for has_dht in (False, True):
             for store_dh0 in (False, True):
-                builds.append((fused_bwd_kernel, (Hqk, Hv, K, V, bv, dtype, profile, has_dht, store_dh0)))
+                builds.append((backward_walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_dht, store_dh0)))
     builds.append((chunk_grads_kernel, (Hqk, Hv, K, V, dtype, profile)))
     return builds

@@ -47,8 +47,10 @@ Schedule: grid (chunk slots, Hqk), `grads_threads` threads (two warpgroups); slo
 the last chunk exit at once. A block loads q and k and forms Q Kᵀ and K Kᵀ once, then
 walks the Hv / Hqk v-heads of its qk-head, accumulating dq and dk. Every tile arrives by
 cp.async, each copy its own group, issued in the order of first use (q, k once; per v-head
-S, dS', V, dO, dU, A, dv_new) and waited for just before its first read, so the later tiles
-arrive under the first products; Q Kᵀ and K Kᵀ are formed at the first v-head's first wait.
+γ, S, dS', V, dO, dU, A, dv_new) and waited for just before its first read, so the later
+tiles arrive under the first products; Q Kᵀ and K Kᵀ are formed at the first v-head's first
+wait. (γ by a synchronous load, its latency exposed before the first wait, took 3 % more:
+1.436 -> 1.391 ms at 16/32 8x4096, benchmark/NOTES.md v10.)
 Every product runs on wgmma with fp32 accumulators, in three phases that keep few
 accumulators live: products with S (K S, Q S, K dS', v_new); the [C, C] products (dP, dN,
 N v_new, Nᵀ dU) with the reductions; then dq and dk, which are staged in q's and k's tiles
@@ -88,7 +90,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
     # a v-head's tiles in the order they are copied, one cp.async group each
-    TILE_ORDER = ("S", "dS'", "V", "dO", "dU", "A", "dv_new")
+    TILE_ORDER = ("γ", "S", "dS'", "V", "dO", "dU", "A", "dv_new")
 
     @T.macro
     def arrived(pending):
@@ -171,7 +173,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             valid = chunk_table[slot, 1]
             if valid > 0:
                 # every tile arrives by cp.async, each copy its own group, issued in the order of
-                # first use (q, k, then per v-head S, dS', V, dO, dU, A, dv_new): groups complete
+                # first use (q, k, then per v-head γ, S, dS', V, dO, dU, A, dv_new): groups complete
                 # in order, so each wait lets the later tiles keep arriving under the products
                 T.async_copy(q[t0:t0 + C, ihk, :], q_s)
                 T.async_copy(k[t0:t0 + C, ihk, :], k_s)
@@ -182,6 +184,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     ih = ihk * GROUPS + hg
                     T.sync_threads()  # the previous v-head is done with its tiles
                     # in TILE_ORDER
+                    T.async_copy(gamma[ih, slot, :], gam_s)
                     T.async_copy(h[slot, ih, :, :], s_s)
                     T.async_copy(dh[slot, ih, :, :], ds_s)
                     T.async_copy(v[t0:t0 + C, ih, :], u_s)
@@ -189,13 +192,12 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.async_copy(dv[t0:t0 + C, ih, :], du_s)
                     T.async_copy(A[t0:t0 + C, ih, :], a_s)
                     T.async_copy(dv_new[t0:t0 + C, ih, :], dvn_s)
-                    T.copy(gamma[ih, slot, :], gam_s)
-                    g_last = gam_s[valid - 1]
-                    for i in T.Parallel(C):
-                        eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
-                        ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
 
                     arrived(pending_after("dS'"))  # q and k came before
+                    g_last = gam_s[valid - 1]
+                    for i in T.Parallel(C):  # first read after the next wait
+                        eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
+                        ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
                     if hg == 0:  # shared by the v-heads
                         T.gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
                         T.gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)

@@ -40,8 +40,9 @@ WIDE_BLOCK_V = 128  # tiles this wide run fused_fwd_wide (two independent chains
 CHUNK_COST = {128: 1.6, 64: 1.0, 32: 0.71, 16: 0.58}
 
 
-def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile, widths=BLOCK_V_CHOICES) -> int:
-    """V-tile width of a fused walk, among widths: the least (waves x chunk cost), ties to the wider.
+def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
+    """V-tile width of the fused walks (the forward's and the backward's two): the least
+    (waves x chunk cost), ties to the wider.
 
     The walk runs one block per SM, so its time is the number of waves of blocks
     (n_seqs · Hv · V / BV over the SMs, rounded up) times the time of one chunk at that width.
@@ -52,7 +53,7 @@ def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile, widths=BL
     def walk_time(bv: int) -> float:
         return -(-n_seqs * Hv * (V // bv) // profile.num_sms) * CHUNK_COST[bv]
 
-    return min(widths, key=lambda bv: (walk_time(bv), -bv))
+    return min(BLOCK_V_CHOICES, key=lambda bv: (walk_time(bv), -bv))
 
 
 def walk_kernel(BV: int):

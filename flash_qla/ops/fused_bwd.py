@@ -29,10 +29,11 @@ Outputs:
     dv       [T, Hv, V]     input dtype
     dh0      [N, Hv, K, V]  fp32 gradient of the initial state (written when STORE_DH0)
 
-Schedule: as fused_fwd, grid (V / BV, Hv, N), one block walks its sequence's chunks in
-reverse; T.Pipelined streams the tiles of the next (earlier) chunks through a TMA ring and
-TileLang warp-specializes a producer warpgroup and one wgmma consumer warpgroup. dS stays
-in fp32 registers and is staged to shared memory in the input dtype once per chunk as the
+Schedule: as fused_fwd, grid (V / BV, Hv, N) with BV <= 64 (V-tiles of 128 run
+fused_bwd_wide, the same walk transposed, with two chains per block), one block walks its
+sequence's chunks in reverse; T.Pipelined streams the tiles of the next (earlier) chunks
+through a TMA ring and TileLang warp-specializes a producer warpgroup and one wgmma
+consumer warpgroup. dS stays in fp32 registers and is staged to shared memory in the input dtype once per chunk as the
 operand of K dS'. The products that do not wait on each other run in flight together: K
 dS', Pᵀ dO and Qᵀ dO (into the decayed dS), then Aᵀ dv_new, then Kᵀ dv; three waits per
 chunk instead of five. The consumer reads the dO tile into registers (which also frees its

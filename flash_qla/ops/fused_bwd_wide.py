@@ -1,0 +1,210 @@
+"""Backward walk for wide V-tiles: the walk of fused_bwd with the state gradient transposed.
+
+Computes what fused_bwd computes (dh, dv_new, dv and dh0; the same math and masking), for
+V-tiles of BV = 64 · (consumer warpgroups) columns, with every product transposed so that
+the V columns are its M side (γ = g_cum, e^γ and e^{γ_L − γ} zero past the sequence's end,
+P = Q Kᵀ ⊙ Γ ⊙ Lower, dS'ᵀ the gradient of the state after the chunk, walked last to first):
+
+    dv_newᵀ = scale · dOᵀ P + dS'ᵀ Kᵀ diag(e^{γ_L − γ})               [BV, C]
+    dvᵀ     = dv_newᵀ A                                              [BV, C]
+    dSᵀ    <- e^{γ_L} dS'ᵀ + dOᵀ diag(scale · e^γ) Q − dvᵀ diag(e^γ) K   [BV, K]
+
+dS'ᵀ, dOᵀ (scaled, and masked past the sequence's end: P's rows there belong to the next
+sequence), dv_newᵀ and dvᵀ diag(e^γ) are the A operands of the next products, which wgmma
+reads straight from registers (rounded to the input dtype, as fused_bwd rounds them into
+shared memory): only the TMA'd q, k, dO, A and P tiles are read from shared memory, and the
+consumers write shared memory only to stage dv_new and dv for their stores. So the consumer
+warpgroups, one per 64 columns, share the ring's tiles but nothing else: each runs an
+independent chain, and two chains per SM hide each other's latency (fused_fwd_wide's form;
+benchmark/NOTES.md v10).
+
+Inputs and outputs as fused_bwd, except that the gate arrives as kkt_solve's `gates`
+[Hv, slots, 2, C] fp32 (e^γ and e^{γ_L − γ}, 0 past the chunk's end) in the place of γ.
+Schedule: grid (V / BV, Hv, N), chunks walked last to first; TileLang's warp specialization:
+a producer warpgroup streams the tiles through a `num_stages`-deep TMA ring, BV / 64
+consumer warpgroups (every product splits its M = BV rows over them, `FullRow`). Per chunk
+the chain is three dependent steps: (K dS')ᵀ, (Pᵀ dO)ᵀ and the dOᵀ Q update in flight
+together, then dv_newᵀ A, then the dvᵀ K update, under which the chunk's dv_new and dv are
+stored (transposed through shared memory for whole-row stores, each warpgroup its own 64
+columns between barriers of its own 128 threads). dO is read transposed from its ring tile,
+which is swizzled so that a warp's reads hit distinct banks.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+from tilelang.layout import make_full_bank_swizzled_layout
+
+from flash_qla.arch import ArchProfile
+
+ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
+# elements of padding per row of the staging tiles (fused_fwd_wide's o tile: conflict-free
+# transposed 2-byte stores)
+PAD = 8
+# first named barrier id of the staging, one per consumer warpgroup (TileLang's own use ids < 4)
+STAGE_BARRIER = 4
+
+
+@functools.lru_cache(maxsize=None)
+def fused_bwd_wide_kernel(
+    Hqk: int,
+    Hv: int,
+    K: int,
+    V: int,
+    BV: int,
+    dtype: str,
+    profile: ArchProfile,
+    HAS_DHT: bool,
+    STORE_DH0: bool,
+):
+    """Compile (or load from TileLang's cache) the wide-tile backward walk for one static config.
+
+    Arguments as fused_bwd_kernel; BV is a multiple of 64 (one consumer warpgroup per 64 columns).
+    """
+    assert BV % ROWS_PER_WARPGROUP == 0, "one consumer warpgroup per 64 rows of dSᵀ"
+    C = profile.chunk
+    GROUPS = Hv // Hqk
+    NV = V // BV
+    accum = "float32"
+    THREADS = 128 * BV // ROWS_PER_WARPGROUP
+    ROWS = T.GemmWarpPolicy.FullRow  # every product splits its M = BV rows over the warpgroups
+    TILE_REGS = C * BV // THREADS  # fp32 registers per consumer thread of a [BV, C] accumulator
+    STATE_REGS = K * BV // THREADS  # ... of the [BV, K] state gradient
+    tokens = T.dynamic("tokens")
+    n_seqs = T.dynamic("n_seqs")
+    n_dht = T.dynamic("n_dht")
+    n_dh0 = T.dynamic("n_dh0")
+    n_slots = T.dynamic("n_slots")
+
+    @T.macro
+    def store_rows(Xt, x_s, x, t0, valid, ih, v0, tx):
+        """x[t0 : t0 + valid, ih, v0 : v0 + BV] = Xtᵀ, transposed through x_s for whole-row stores.
+
+        Each warpgroup stages and stores only its own 64 columns, between barriers of its own
+        128 threads: the chains never wait for each other.
+        """
+        wg = tx // 128
+        lane = tx % 128
+        T.sync_threads(STAGE_BARRIER + wg, 128)  # this warpgroup's reads of the last chunk's rows are done
+        for j, i in T.Parallel(BV, C):
+            x_s[i, j] = Xt[j, i]
+        T.sync_threads(STAGE_BARRIER + wg, 128)
+        for r in T.unroll(C // 16):  # 16 rows x 8 vectors of 8 elements per pass
+            row = r * 16 + lane // 8
+            col = wg * ROWS_PER_WARPGROUP + lane % 8 * 8
+            if row < valid:
+                for e in T.vectorized(8):
+                    x[t0 + row, ih, v0 + col + e] = x_s[row, col + e]
+
+    @T.prim_func
+    def fused_bwd_wide(
+        q: T.Tensor([tokens, Hqk, K], dtype),
+        k: T.Tensor([tokens, Hqk, K], dtype),
+        do: T.Tensor([tokens, Hv, V], dtype),
+        gates: T.Tensor([Hv, n_slots, 2, C], accum),
+        A: T.Tensor([tokens, Hv, C], dtype),
+        P: T.Tensor([tokens, Hv, C], dtype),
+        cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
+        chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        dht: T.Tensor([n_dht, Hv, K, V], accum),
+        dh: T.Tensor([n_slots, Hv, K, V], dtype),
+        dv_new: T.Tensor([tokens, Hv, V], dtype),
+        dv: T.Tensor([tokens, Hv, V], dtype),
+        dh0: T.Tensor([n_dh0, Hv, K, V], accum),
+        scale: T.float32,
+    ):
+        with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
+            ihk = ih // GROUPS
+            v0 = iv * BV
+            tx = T.get_thread_binding()
+            bos = cu_seqlens[n]
+            seqlen = cu_seqlens[n + 1] - bos
+            first_chunk = chunk_offsets[n]
+            n_chunks = T.ceildiv(seqlen, C)
+
+            q_s = T.alloc_shared([C, K], dtype)
+            k_s = T.alloc_shared([C, K], dtype)
+            do_s = T.alloc_shared([C, BV], dtype)
+            a_s = T.alloc_shared([C, C], dtype)
+            p_s = T.alloc_shared([C, C], dtype)
+            gates_s = T.alloc_shared([2, C], accum)  # e^γ, e^{γ_L − γ}
+            dvn_s = T.alloc_shared([C, BV + PAD], dtype)  # dv_new staged for its store, rows padded
+            dv_s = T.alloc_shared([C, BV + PAD], dtype)  # dv staged for its store, rows padded
+            # dO is read a column per thread group: swizzled 128-byte rows, else the rows a warp
+            # reads at once (2 apart) all start in one bank
+            T.annotate_layout({do_s: make_full_bank_swizzled_layout(do_s)})
+
+            dSt = T.alloc_fragment([BV, K], accum)  # dSᵀ
+            Db = T.alloc_fragment([BV, K], dtype)  # dS'ᵀ in the input dtype: A operand
+            DOm = T.alloc_fragment([BV, C], dtype)  # scale · dOᵀ, 0 past the end: A operand
+            DOe = T.alloc_fragment([BV, C], dtype)  # dOᵀ diag(scale · e^γ): A operand
+            KDt = T.alloc_fragment([BV, C], accum)  # (K dS')ᵀ
+            DVNt = T.alloc_fragment([BV, C], accum)  # dv_newᵀ
+            DVNb = T.alloc_fragment([BV, C], dtype)  # dv_newᵀ: A operand
+            DVt = T.alloc_fragment([BV, C], accum)  # dvᵀ
+            DUe = T.alloc_fragment([BV, C], dtype)  # −dvᵀ diag(e^γ): A operand
+            # per-column gate factors, laid out like the accumulators' columns
+            eg = T.alloc_fragment([C], accum)  # e^γ, 0 past the end
+            ed = T.alloc_fragment([C], accum)  # e^{γ_L − γ}, 0 past the end
+            decay = T.alloc_var(accum)  # e^{γ_L}
+
+            if HAS_DHT:
+                for j, d in T.Parallel(BV, K):
+                    dSt[j, d] = dht[n, ih, d, v0 + j]
+            else:
+                T.clear(dSt)
+
+            for r in T.Pipelined(n_chunks, num_stages=profile.num_stages):
+                c = n_chunks - 1 - r
+                t0 = bos + c * C
+                valid = T.min(C, seqlen - c * C)  # tokens of this chunk in the sequence
+                T.copy(q[t0:t0 + C, ihk, :], q_s)
+                T.copy(k[t0:t0 + C, ihk, :], k_s)
+                T.copy(do[t0:t0 + C, ih, v0:v0 + BV], do_s)
+                T.copy(A[t0:t0 + C, ih, :], a_s)
+                T.copy(P[t0:t0 + C, ih, :], p_s)
+                T.copy(gates[ih, first_chunk + c, :, :], gates_s)
+
+                T.copy(dSt, Db)
+                for j, d in T.Parallel(BV, K):
+                    dh[first_chunk + c, ih, d, v0 + j] = Db[j, d]
+                # dSᵀ becomes the accumulator of the update (before the issue, as in fused_fwd)
+                decay = gates_s[0, valid - 1]
+                for j, d in T.Parallel(BV, K):
+                    dSt[j, d] = dSt[j, d] * decay
+                for i in T.Parallel(C):
+                    eg[i] = gates_s[0, i]
+                    ed[i] = gates_s[1, i]
+                for j, i in T.Parallel(BV, C):
+                    DOm[j, i] = T.if_then_else(i < valid, do_s[i, j] * scale, 0.0)
+                    DOe[j, i] = do_s[i, j] * (scale * eg[i])
+
+                # (K dS')ᵀ and (Pᵀ dO)ᵀ (the dv chain) and the dOᵀ Q update in flight together
+                with T.ws_op("k_s_p_s_q_s"):  # one op: the ring frees p_s and q_s only after the wait
+                    T.wgmma_gemm(Db, k_s, KDt, transpose_B=True, clear_accum=True, policy=ROWS)
+                    T.wgmma_gemm(DOm, p_s, DVNt, clear_accum=True, policy=ROWS)
+                    T.wgmma_gemm(DOe, q_s, dSt, policy=ROWS)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(KDt, num_regs=TILE_REGS)
+                    T.warpgroup_fence_operand(DVNt, num_regs=TILE_REGS)
+                    T.warpgroup_fence_operand(dSt, num_regs=STATE_REGS)
+                for j, i in T.Parallel(BV, C):
+                    DVNb[j, i] = DVNt[j, i] + KDt[j, i] * ed[i]
+
+                # dvᵀ = dv_newᵀ A, then dSᵀ −= dvᵀ diag(e^γ) K with the stores under it
+                T.gemm(DVNb, a_s, DVt, clear_accum=True, policy=ROWS)
+                for j, i in T.Parallel(BV, C):
+                    DUe[j, i] = -DVt[j, i] * eg[i]
+                with T.ws_op("k_s"):  # one op: the ring frees k_s only after the wait
+                    T.wgmma_gemm(DUe, k_s, dSt, policy=ROWS)
+                    store_rows(DVNb, dvn_s, dv_new, t0, valid, ih, v0, tx)
+                    store_rows(DVt, dv_s, dv, t0, valid, ih, v0, tx)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(dSt, num_regs=STATE_REGS)
+
+            if STORE_DH0:
+                for j, d in T.Parallel(BV, K):
+                    dh0[n, ih, d, v0 + j] = dSt[j, d]
+
+    return tilelang.compile(fused_bwd_wide, target=profile.target)

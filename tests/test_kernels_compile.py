@@ -30,7 +30,7 @@ KERNELS = [
     ("kkt_solve", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs")),
     # β read in q's dtype (no cast launch)
     ("kkt_solve_beta_bf16", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async_gs")),
-    ("fused_fwd_bv64_h0_h", fused_fwd_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
+    ("fused_fwd_bv32_h0_h", fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
     ("fused_fwd_bv32_fp16", fused_fwd_kernel, (4, 8, 128, 128, 32, "float16", SM90, False, False), ("wgmma", "tma_load")),
     ("kkt_solve_backward_mode", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "float32", True), ("wgmma", "cp_async_gs")),
     ("fused_fwd_states_only", fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True, True), ("wgmma", "tma_load")),
@@ -38,7 +38,9 @@ KERNELS = [
     # V-tiles of 16 columns run one consumer warpgroup (small grids, e.g. 2/8 at one sequence)
     ("fused_fwd_bv16", fused_fwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, False, False), ("wgmma", "tma_load")),
     ("fused_bwd_bv16_dht", fused_bwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, True, False), ("wgmma", "tma_load")),
-    # V-tiles of 128: the state transposed, every chain operand read by wgmma from registers
+    # V-tiles of 64 and 128: the state transposed, every chain operand read by wgmma from registers
+    ("fused_fwd_wide_bv64_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
+    ("fused_bwd_wide_bv64_dht", fused_bwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, True, False), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_fp16", fused_fwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_states_only", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True, True), ("wgmma_rs", "tma_load")),

@@ -9,8 +9,8 @@ Reads like flash_qla/reference/backward_stages.py:
      0.13 ms of extra writes in the forward at the copy bandwidth, an estimate); the
      recompute measured 0.79 ms there (H200, benchmark/NOTES.md). Memory wins at the
      lengths training runs;
-  3. the backward walk (fused_bwd, or fused_bwd_wide for V-tiles of 128 columns): the
-     state gradients dS' walked backward in time, dv, dv_new, dh0;
+  3. the backward walk (fused_bwd_wide for V-tiles of 64 or 128 columns, fused_bwd for
+     narrower ones): the state gradients dS' walked backward in time, dv, dv_new, dh0;
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel.
 """
@@ -30,7 +30,7 @@ from flash_qla.ops.launch import executable
 
 def backward_walk_kernel(BV: int):
     """The backward walk's kernel factory for V-tiles of BV columns (the gate as in walk_gate)."""
-    return fused_bwd_wide_kernel if BV == WIDE_BLOCK_V else fused_bwd_kernel
+    return fused_bwd_wide_kernel if BV in WIDE_BLOCK_V else fused_bwd_kernel
 
 
 def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens):

@@ -2,7 +2,8 @@
 
 Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk over the
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
-asked, the per-chunk states h: fused_fwd, or fused_fwd_wide for V-tiles of 128 columns.
+asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
+for narrower ones.
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ def kernel_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 BLOCK_V_CHOICES = (128, 64, 32, 16)  # V-tile widths of the forward walk, widest first
-WIDE_BLOCK_V = 128  # tiles this wide run fused_fwd_wide (two independent chains per block)
-# time of one chunk of the fused walk per V-tile width, relative to BV = 64, measured on the
-# H200 with one block per SM (benchmark/NOTES.md, v7 steps 1-2): a narrow tile reads q, k, A
-# and P and runs K S for fewer columns, but not proportionally less; a wide block runs two
+# tiles this wide run the transposed walks (fused_fwd_wide, fused_bwd_wide: one consumer
+# warpgroup and one chain per 64 columns); narrower ones fused_fwd and fused_bwd
+WIDE_BLOCK_V = (128, 64)
+# time of one chunk of the forward walk per V-tile width, relative to fused_fwd at BV = 64,
+# measured on the H200 with one block per SM (benchmark/NOTES.md, v7 steps 1-2 and v10): a
+# narrow tile reads q, k, A and P and runs K S for fewer columns, but not proportionally less;
+# the transposed walk at 64 columns takes 0.8 of fused_fwd's time there; at 128 it runs two
 # chains that slow each other down, but not to twice the time
-CHUNK_COST = {128: 1.6, 64: 1.0, 32: 0.71, 16: 0.58}
+CHUNK_COST = {128: 1.6, 64: 0.8, 32: 0.71, 16: 0.58}
 
 
 def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
@@ -61,13 +65,13 @@ def walk_kernel(BV: int):
 
     Both take the same arguments, except the gate (`walk_gate`).
     """
-    return fused_fwd_wide_kernel if BV == WIDE_BLOCK_V else fused_fwd_kernel
+    return fused_fwd_wide_kernel if BV in WIDE_BLOCK_V else fused_fwd_kernel
 
 
 def walk_gate(BV: int, gamma: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     """The gate input of walk_kernel(BV): γ (kkt_solve's `gamma`) for fused_fwd, its
     exponentials (kkt_solve's `gates`) for fused_fwd_wide."""
-    return gates if BV == WIDE_BLOCK_V else gamma
+    return gates if BV in WIDE_BLOCK_V else gamma
 
 
 def contiguous_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -29,9 +29,9 @@ Outputs:
     dv       [T, Hv, V]     input dtype
     dh0      [N, Hv, K, V]  fp32 gradient of the initial state (written when STORE_DH0)
 
-Schedule: as fused_fwd, grid (V / BV, Hv, N) with BV <= 64 (V-tiles of 128 run
-fused_bwd_wide, the same walk transposed, with two chains per block), one block walks its
-sequence's chunks in reverse; T.Pipelined streams the tiles of the next (earlier) chunks
+Schedule: as fused_fwd, grid (V / BV, Hv, N), one block walks its sequence's chunks in
+reverse (the launcher runs this form for V-tiles of 32 and 16 columns; tiles of 64 and 128
+run fused_bwd_wide, the same walk transposed); T.Pipelined streams the tiles of the next (earlier) chunks
 through a TMA ring and TileLang warp-specializes a producer warpgroup and one wgmma
 consumer warpgroup. dS stays in fp32 registers and is staged to shared memory in the input dtype once per chunk as the
 operand of K dS'. The products that do not wait on each other run in flight together: K

@@ -1,4 +1,4 @@
-"""Backward walk for wide V-tiles: the walk of fused_bwd with the state gradient transposed.
+"""Backward walk for V-tiles of 64 and 128: the walk of fused_bwd with the state gradient transposed.
 
 Computes what fused_bwd computes (dh, dv_new, dv and dh0; the same math and masking), for
 V-tiles of BV = 64 · (consumer warpgroups) columns, with every product transposed so that
@@ -15,8 +15,11 @@ reads straight from registers (rounded to the input dtype, as fused_bwd rounds t
 shared memory): only the TMA'd q, k, dO, A and P tiles are read from shared memory, and the
 consumers write shared memory only to stage dv_new and dv for their stores. So the consumer
 warpgroups, one per 64 columns, share the ring's tiles but nothing else: each runs an
-independent chain, and two chains per SM hide each other's latency (fused_fwd_wide's form;
-benchmark/NOTES.md v10).
+independent chain, and two chains per SM hide each other's latency (fused_fwd_wide's form).
+Both forms run near the DRAM rate at full grids, so the gain is the bytes fused_bwd reads
+twice (q, k, A and P for each of two V-tiles): 16/32 8x4096 0.660 ms (fused_bwd, BV = 64) ->
+0.607 (BV = 128); at BV = 64 (one chain) 2/8 8x4096 0.173 -> 0.166, 16/64 1x32768 1.262 ->
+1.207 ms; outputs bitwise equal (benchmark/NOTES.md v10).
 
 Inputs and outputs as fused_bwd, except that the gate arrives as kkt_solve's `gates`
 [Hv, slots, 2, C] fp32 (e^γ and e^{γ_L − γ}, 0 past the chunk's end) in the place of γ.
@@ -37,13 +40,7 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-
-ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
-# elements of padding per row of the staging tiles (fused_fwd_wide's o tile: conflict-free
-# transposed 2-byte stores)
-PAD = 8
-# first named barrier id of the staging, one per consumer warpgroup (TileLang's own use ids < 4)
-STAGE_BARRIER = 4
+from flash_qla.ops.staging import ROWS_PER_WARPGROUP, STAGE_PAD, row_store
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,25 +74,7 @@ def fused_bwd_wide_kernel(
     n_dh0 = T.dynamic("n_dh0")
     n_slots = T.dynamic("n_slots")
 
-    @T.macro
-    def store_rows(Xt, x_s, x, t0, valid, ih, v0, tx):
-        """x[t0 : t0 + valid, ih, v0 : v0 + BV] = Xtᵀ, transposed through x_s for whole-row stores.
-
-        Each warpgroup stages and stores only its own 64 columns, between barriers of its own
-        128 threads: the chains never wait for each other.
-        """
-        wg = tx // 128
-        lane = tx % 128
-        T.sync_threads(STAGE_BARRIER + wg, 128)  # this warpgroup's reads of the last chunk's rows are done
-        for j, i in T.Parallel(BV, C):
-            x_s[i, j] = Xt[j, i]
-        T.sync_threads(STAGE_BARRIER + wg, 128)
-        for r in T.unroll(C // 16):  # 16 rows x 8 vectors of 8 elements per pass
-            row = r * 16 + lane // 8
-            col = wg * ROWS_PER_WARPGROUP + lane % 8 * 8
-            if row < valid:
-                for e in T.vectorized(8):
-                    x[t0 + row, ih, v0 + col + e] = x_s[row, col + e]
+    store_rows = row_store(BV, C)  # x[t0 : t0 + valid] = Xtᵀ, each warpgroup its own 64 columns
 
     @T.prim_func
     def fused_bwd_wide(
@@ -129,8 +108,8 @@ def fused_bwd_wide_kernel(
             a_s = T.alloc_shared([C, C], dtype)
             p_s = T.alloc_shared([C, C], dtype)
             gates_s = T.alloc_shared([2, C], accum)  # e^γ, e^{γ_L − γ}
-            dvn_s = T.alloc_shared([C, BV + PAD], dtype)  # dv_new staged for its store, rows padded
-            dv_s = T.alloc_shared([C, BV + PAD], dtype)  # dv staged for its store, rows padded
+            dvn_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # dv_new staged for its store, rows padded
+            dv_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # dv staged for its store, rows padded
             # dO is read a column per thread group: swizzled 128-byte rows, else the rows a warp
             # reads at once (2 apart) all start in one bank
             T.annotate_layout({do_s: make_full_bank_swizzled_layout(do_s)})

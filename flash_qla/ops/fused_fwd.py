@@ -34,8 +34,10 @@ Outputs:
     h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H;
                            input dtype and o not written when STATES_ONLY)
 
-Schedule: grid (V / BV, Hv, N), one block walks its sequence's chunks in order (BV <= 64;
-V-tiles of 128 run fused_fwd_wide, the same walk transposed, with two chains per block).
+Schedule: grid (V / BV, Hv, N), one block walks its sequence's chunks in order. The
+launcher runs this form for V-tiles of 32 and 16 columns: tiles of 64 and 128 run
+fused_fwd_wide, the same walk transposed (its products read the chain's operands from
+registers; at BV = 64, 0.8 of this kernel's time, benchmark/NOTES.md v10).
 T.Pipelined streams the q/k/v/A/P/γ tiles of the next chunks through a `num_stages`-deep
 shared-memory ring with TMA; on SM90 TileLang splits the block into a producer
 warpgroup (TMA issue, mbarrier waits) and one consumer warpgroup (`profile.fused_threads`)

@@ -1,4 +1,4 @@
-"""Fused chunked forward for wide V-tiles: the walk of fused_fwd with the state transposed.
+"""Fused chunked forward for V-tiles of 64 and 128: the walk of fused_fwd with the state transposed.
 
 Computes what fused_fwd computes (o, the final state and, when asked, h; the same
 math, rounding and masking), for V-tiles of BV = 64 · (consumer warpgroups) columns, with
@@ -21,7 +21,9 @@ own 128 threads (o_s is the only shared tile the consumers write, and TileLang, 
 barriers, adds no block-wide one; the ring is synchronised by its mbarriers). 16/32 8x4096: the walk takes 0.291 ms (0.333 with one consumer-wide barrier pair
 per chunk, fused_fwd at BV = 64 0.466; benchmark/NOTES.md v7 steps 2-3, v8 step 1). wgmma's
 M is 64 rows per warpgroup, so this form needs BV >= 64; narrower tiles (few sequences x
-heads) run fused_fwd.
+heads) run fused_fwd. At BV = 64 (one chain per block) it takes 0.8 of fused_fwd's time at
+that width: 2/8 8x4096 0.119 -> 0.096 ms, 16/64 1x32768 0.894 -> 0.715, outputs bitwise
+equal (benchmark/NOTES.md v10).
 
 Inputs and outputs as fused_fwd, except that the gate arrives as kkt_solve's `gates`
 [Hv, slots, 2, C] fp32 (e^γ and e^{γ_L − γ}, 0 past the chunk's end) in the place of γ.
@@ -44,13 +46,7 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-
-ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
-# elements of padding per row of the o staging tile: a warp's transposed 2-byte stores touch
-# 4 rows (2 apart) at once; padded rows start 8 banks apart, so the stores are conflict-free
-O_PAD = 8
-# first named barrier id of the o staging, one per consumer warpgroup (TileLang's own use ids < 4)
-O_BARRIER = 4
+from flash_qla.ops.staging import ROWS_PER_WARPGROUP, STAGE_PAD, row_store
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,25 +83,7 @@ def fused_fwd_wide_kernel(
     n_chunks = T.dynamic("n_chunks")
     n_slots = T.dynamic("n_slots")
 
-    @T.macro
-    def store_o(Ot_done, o_s, o, t0, valid, ih, v0, tx):
-        """o[t0 : t0 + valid] = Ot_doneᵀ, transposed through o_s for whole-row stores.
-
-        Each warpgroup stages and stores only its own 64 columns, between barriers of its own
-        128 threads: the chains never wait for each other.
-        """
-        wg = tx // 128
-        lane = tx % 128
-        T.sync_threads(O_BARRIER + wg, 128)  # this warpgroup's reads of the last o are done
-        for j, i in T.Parallel(BV, C):
-            o_s[i, j] = Ot_done[j, i]
-        T.sync_threads(O_BARRIER + wg, 128)
-        for r in T.unroll(C // 16):  # 16 rows x 8 vectors of 8 elements per pass
-            row = r * 16 + lane // 8
-            col = wg * ROWS_PER_WARPGROUP + lane % 8 * 8
-            if row < valid:
-                for e in T.vectorized(8):
-                    o[t0 + row, ih, v0 + col + e] = o_s[row, col + e]
+    store_o = row_store(BV, C)  # o[t0 : t0 + valid] = Otᵀ, each warpgroup its own 64 columns
 
     @T.prim_func
     def fused_fwd_wide(
@@ -137,7 +115,7 @@ def fused_fwd_wide_kernel(
             a_s = T.alloc_shared([C, C], dtype)
             p_s = T.alloc_shared([C, C], dtype)
             gates_s = T.alloc_shared([2, C], accum)  # e^γ, e^{γ_L − γ}
-            o_s = T.alloc_shared([C, BV + O_PAD], dtype)  # o staged for its store, rows padded
+            o_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # o staged for its store, rows padded
             # V is read a column per thread group: swizzled 128-byte rows, else the rows a warp
             # reads at once (2 apart) all start in one bank
             T.annotate_layout({v_s: make_full_bank_swizzled_layout(v_s)})

@@ -1,0 +1,42 @@
+"""Row stores of the transposed walks' [BV, C] register tiles (o; dv_new and dv).
+
+The transposed walks (fused_fwd_wide, fused_bwd_wide) hold their [C, BV] outputs as [BV, C]
+accumulators, one consumer warpgroup per 64 of the BV rows. `row_store` writes such a tile to
+x[t0 : t0 + valid, ih, v0 : v0 + BV] through a shared-memory staging tile [C, BV + STAGE_PAD],
+so that global stores are whole 16-byte row pieces. Each warpgroup stages and stores only its own
+64 columns, between named barriers of its own 128 threads: the walks' chains never wait for
+each other.
+"""
+
+import tilelang.language as T
+
+ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
+# elements of padding per row of a staging tile: a warp's transposed 2-byte stores touch 4 rows
+# (2 apart) at once; padded rows start 8 banks apart, so the stores are conflict-free
+STAGE_PAD = 8
+# first named barrier id of the staging, one per consumer warpgroup (TileLang's own use ids < 4)
+STAGE_BARRIER = 4
+
+
+def row_store(BV: int, C: int):
+    """The macro row_store(Xt, x_s, x, t0, valid, ih, v0, tx): x[t0 : t0 + valid, ih, v0 : v0 + BV] = Xtᵀ.
+
+    Xt [BV, C] fragment, x_s [C, BV + STAGE_PAD] shared, tx the consumer thread index.
+    """
+
+    @T.macro
+    def store(Xt, x_s, x, t0, valid, ih, v0, tx):
+        wg = tx // 128
+        lane = tx % 128
+        T.sync_threads(STAGE_BARRIER + wg, 128)  # this warpgroup's reads of the last tile are done
+        for j, i in T.Parallel(BV, C):
+            x_s[i, j] = Xt[j, i]
+        T.sync_threads(STAGE_BARRIER + wg, 128)
+        for r in T.unroll(C // 16):  # 16 rows x 8 vectors of 8 elements per pass
+            row = r * 16 + lane // 8
+            col = wg * ROWS_PER_WARPGROUP + lane % 8 * 8
+            if row < valid:
+                for e in T.vectorized(8):
+                    x[t0 + row, ih, v0 + col + e] = x_s[row, col + e]
+
+    return store

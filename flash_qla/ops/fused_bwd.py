@@ -31,10 +31,10 @@ Outputs:
 
 Schedule: as fused_fwd, grid (V / BV, Hv, N), one block walks its sequence's chunks in
 reverse (the launcher runs this form for V-tiles of 32 and 16 columns; tiles of 64 and 128
-run fused_bwd_wide, the same walk transposed); T.Pipelined streams the tiles of the next (earlier) chunks
-through a TMA ring and TileLang warp-specializes a producer warpgroup and one wgmma
-consumer warpgroup. dS stays in fp32 registers and is staged to shared memory in the input dtype once per chunk as the
-operand of K dS'. The products that do not wait on each other run in flight together: K
+run fused_bwd_wide, the same walk transposed); T.Pipelined streams the tiles of the next
+(earlier) chunks through a TMA ring and TileLang warp-specializes a producer warpgroup and
+one wgmma consumer warpgroup. dS stays in fp32 registers and is staged to shared memory in
+the input dtype once per chunk as the operand of K dS'. The products that do not wait on each other run in flight together: K
 dS', Pᵀ dO and Qᵀ dO (into the decayed dS), then Aᵀ dv_new, then Kᵀ dv; three waits per
 chunk instead of five. The consumer reads the dO tile into registers (which also frees its
 ring slot) before storing its two scaled copies: read from shared memory element by element,

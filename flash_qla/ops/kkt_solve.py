@@ -29,11 +29,15 @@ Outputs:
     A, P    [T, Hv, C]   input dtype; row t holds row (t − chunk start) of its chunk's
                          matrix; columns past the row (and past the chunk's end) are 0
 
-Schedule: grid (chunk slots, Hv), one warpgroup per block, `profile.kkt_blocks_per_sm`
+Schedule: grid (Hv, chunk slots), one warpgroup per block, `profile.kkt_blocks_per_sm`
 blocks resident per SM (a register cap for ptxas: the stage is latency bound, so
-occupancy pays); slot j reads its chunk's first token and length from the chunk table
-with one load (it was a binary search over chunk_offsets: the same time, 0.31 ms at 16/32
-8x4096, so the prologue's wait is not the search). The launcher sizes the grid with the
+occupancy pays). The v-heads of a chunk are neighbours in the launch order, so the
+v-heads of one qk-head read its q and k tiles from L2 rather than each from DRAM (with
+the slots first, at 16/32 8x4096: forward mode 0.307 -> 0.294 ms, backward mode 0.144 ->
+0.117, outputs bitwise equal; benchmark/NOTES.md v11). Slot j reads its chunk's first
+token and length from the chunk table with one load (it was a binary search over
+chunk_offsets: the same time, 0.31 ms at 16/32 8x4096, so the prologue's wait is not the
+search). The launcher sizes the grid with the
 upper bound T // C + N; slots past the last chunk exit at once. q and k arrive by
 cp.async (rows past the end zero-filled) while γ and β are loaded and γ summed (6 %
 faster than synchronous loads). Q Kᵀ and K Kᵀ run together on the tensor cores
@@ -148,7 +152,7 @@ def kkt_solve_kernel(
         P: T.Tensor([tokens, Hv, C], dtype),
         slots: T.int32,
     ):
-        with T.Kernel(slots, Hv, threads=THREADS) as (slot, ih):
+        with T.Kernel(Hv, slots, threads=THREADS) as (ih, slot):
             ihk = ih // GROUPS
             tx = T.get_thread_binding()
             T.annotate_min_blocks_per_sm(profile.kkt_blocks_per_sm)

@@ -109,7 +109,12 @@ def chunk_gated_delta_rule(
     state_v_first : bool
         States are laid out [N, Hv, V, K] instead of [N, Hv, K, V].
     auto_cp : bool
-        Reserved: context-parallel planning; currently the sequence is never split.
+        Let the planner split long sequences where that pays. Today this covers the
+        backward's state recompute: with a gradient to compute, the GPU forward keeps the
+        state every 32 chunks (fp32, [T / 2048 + N, Hv, K, V] per call, saved for the
+        backward) when long sequences over few heads would leave the recompute's walk with
+        too few blocks, and the backward restarts it from them in parallel pieces. The
+        gradients are the same either way. The forward itself is never split yet.
     head_first : bool
         Must be False: [B, H, T, D] inputs are not supported.
 
@@ -135,9 +140,9 @@ def chunk_gated_delta_rule(
         output_final_state,
     )
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-        o, final_state = ChunkGatedDeltaRuleFunction.apply(*args)
+        o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, auto_cp)
     else:  # nothing to differentiate: no autograd node, nothing saved for a backward
-        _, _, o, _, final_state = _forward(*args, False)
+        _, _, o, _, final_state, _ = _forward(*args, False)
     return _unpack(o, B, T), _state_out(final_state, state_v_first)
 
 
@@ -189,7 +194,7 @@ def chunk_gated_delta_rule_fwd(
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     B, T = q.shape[:2]
     with torch.no_grad():
-        g_cum, A, o, h, final_state = _forward(
+        g_cum, A, o, h, final_state, _ = _forward(
             *_pack(q, k, v, g, beta),
             _default_scale(scale, q),
             _state_in(initial_state, state_v_first, q),

@@ -28,6 +28,7 @@ class ArchProfile:
     num_stages: int  # depth of the shared-memory ring in the fused kernels
     num_sms: int  # multiprocessors of the reference part (V-tile choice)
     max_shared_memory: int  # bytes of shared memory one block may opt in to
+    checkpoint_chunks: int  # chunks between the states a training forward keeps (flash_qla.ops.backward)
 
     @property
     def target(self) -> dict:
@@ -49,6 +50,9 @@ SM90 = ArchProfile(
     num_stages=2,
     num_sms=132,
     max_shared_memory=227 * 1024,
+    # 2048 tokens: a single sequence of 32768 splits into 16 pieces for the state recompute,
+    # 16 x Hv (sequence piece, head) pairs, which fill the SMs at 8 heads and more
+    checkpoint_chunks=32,
 )
 
 # compute capability -> profile; SM100 / SM120 are added here as new profiles.

@@ -6,22 +6,23 @@ from flash_qla.dispatch import _backward, _forward
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """o, final_state from packed, validated inputs (see flash_qla.dispatch); saves A for the backward."""
+    """o, final_state from packed, validated inputs (see flash_qla.dispatch); saves A (and, where
+    the planner keeps them, state checkpoints) for the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state):
-        g_cum, A, o, _, final_state = _forward(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, False
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, checkpoint):
+        g_cum, A, o, _, final_state, checkpoints = _forward(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, False, checkpoint
         )
-        ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints)
         ctx.scale = scale
         ctx.g_dtype = g.dtype
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g_cum, beta, A, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints = ctx.saved_tensors
         dq, dk, dv, dbeta, dg, dh0 = _backward(
-            q, k, v, g_cum, beta, A, do, dht, ctx.scale, initial_state, cu_seqlens
+            q, k, v, g_cum, beta, A, do, dht, ctx.scale, initial_state, cu_seqlens, checkpoints
         )
-        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None, dh0, None, None
+        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None, dh0, None, None, None

@@ -22,8 +22,9 @@ def _check_kernel_inputs(q, v):
         raise ValueError(f"q: {reason}")
 
 
-def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h):
-    """Core forward; g is the raw gate.
+def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, checkpoint=False):
+    """Core forward; g is the raw gate. checkpoint: a backward will follow (training), so keep
+    state checkpoints for it where they pay.
 
     Returns
     -------
@@ -32,19 +33,25 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_st
     o : [1, T, Hv, V], dtype of q.
     h : [NT, Hv, K, V] float32, state at the start of each chunk; None unless output_h.
     final_state : [N, Hv, K, V] float32; None unless output_final_state.
+    checkpoints : for _backward (flash_qla.ops.forward.keeps_checkpoints), or None: always
+        None unless checkpoint, and on the PyTorch path.
     """
     if q.is_cuda:
         from flash_qla.ops.forward import forward_kernels
 
         _check_kernel_inputs(q, v)
-        return forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h)
-    return chunk_gated_delta_rule_fwd_ref(
+        return forward_kernels(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, checkpoint
+        )
+    outputs = chunk_gated_delta_rule_fwd_ref(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h
     )
+    return (*outputs, None)
 
 
-def _backward(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens):
-    """Core backward; g_cum and A are what _forward returned, do [1, T, Hv, V], dht [N, Hv, K, V] or None.
+def _backward(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints=None):
+    """Core backward; g_cum, A and checkpoints are what _forward returned, do [1, T, Hv, V],
+    dht [N, Hv, K, V] or None.
 
     Returns
     -------
@@ -57,5 +64,5 @@ def _backward(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens
         from flash_qla.ops.backward import backward_kernels
 
         _check_kernel_inputs(q, v)
-        return backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens)
+        return backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints)
     return chunk_gated_delta_rule_bwd_ref(q, k, v, g_cum, beta, do, dht, scale, initial_state, cu_seqlens)

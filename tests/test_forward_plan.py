@@ -7,8 +7,14 @@ import torch
 from gpu_cases import CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
-from flash_qla.ops.chunks import chunk_offsets_of, chunk_table
-from flash_qla.ops.forward import BLOCK_V_CHOICES, choose_block_v, kernel_unsupported_reason
+from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table
+from flash_qla.ops.forward import (
+    BLOCK_V_CHOICES,
+    checkpoint_rows,
+    choose_block_v,
+    kernel_unsupported_reason,
+    keeps_checkpoints,
+)
 from flash_qla.precompile import main as precompile_main
 
 
@@ -45,6 +51,56 @@ def test_gpu_cases_cover_every_block_v():
         n_seqs = case.dense[0] if case.dense else len(case.seqlens)
         chosen.add(choose_block_v(n_seqs, case.heads[1], 128, SM90))
     assert chosen == set(BLOCK_V_CHOICES)
+
+
+@pytest.mark.parametrize(
+    "n_seqs,T,Hv,expected",
+    [
+        (1, 32768, 32, True),  # 32 (sequence, head) pairs of 512 chunks: 16 pieces each
+        (1, 32768, 8, True),
+        (1, 8192, 32, True),
+        (1, 2048, 32, False),  # no longer than one piece
+        (8, 32768, 32, False),  # 256 pairs of wide tiles fill the SMs already
+        (1, 32768, 64, False),  # 64 pairs at BV = 64 fill them too
+    ],
+)
+def test_checkpoints_kept_where_pieces_fill_the_gpu(n_seqs, T, Hv, expected):
+    assert keeps_checkpoints(n_seqs, T, Hv, 128, SM90) == expected
+
+
+def _pieces_by_hand(seqlens, chunk, every):
+    """(token start, first global chunk, checkpoint row) of every piece, walking the sequences."""
+    slots = sum(seqlens) // chunk + len(seqlens)
+    pieces, token, j = [], 0, 0
+    for n, length in enumerate(seqlens):
+        for c in range(-(-length // chunk)):
+            if c == 0:
+                pieces.append((token, j, slots // every + 1 + n))
+            elif j % every == 0:
+                pieces.append((token + c * chunk, j, j // every))
+            j += 1
+        token += length
+    return pieces, slots
+
+
+@pytest.mark.parametrize(
+    "seqlens,every",
+    [((32768,), 32), ((0, 1, 63, 64, 65, 0, 130, 1), 4), ((5000, 70, 0, 3000), 32), ((256, 320, 0), 4)],
+    ids=["one_long", "edges_every_4", "varlen", "trailing_empty"],
+)
+def test_checkpoint_pieces(seqlens, every):
+    """Pieces start at every non-empty sequence's first chunk and at every global chunk m · every
+    inside a sequence; their start states are checkpoint rows m, or the sequence's initial state."""
+    cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32)
+    want, slots = _pieces_by_hand(seqlens, SM90.chunk, every)
+    bounds, first_chunks, rows = checkpoint_pieces(cu, SM90.chunk, slots, every)
+    n = len(want)
+    assert rows.shape[0] == bounds.shape[0] - 1 == first_chunks.shape[0] - 1 >= n
+    assert [(b, f, r) for b, f, r in zip(bounds.tolist(), first_chunks.tolist(), rows.tolist())][:n] == want
+    # the pieces end where the next starts; those past the last are empty, at T
+    assert set(bounds[n:].tolist()) == {sum(seqlens)}
+    assert rows.max() < slots // every + 1 + len(seqlens)
+    assert checkpoint_rows(slots, len(seqlens), SM90) == slots // SM90.checkpoint_chunks + 1 + len(seqlens)
 
 
 def test_kernel_support_reasons():

@@ -44,6 +44,9 @@ KERNELS = [
     ("fused_fwd_wide_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_fp16", fused_fwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_states_only", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True, True), ("wgmma_rs", "tma_load")),
+    # a training forward keeping state checkpoints for the backward's recompute
+    ("fused_fwd_bv16_checkpoints", fused_fwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, True, False, False, True), ("wgmma", "tma_load")),
+    ("fused_fwd_wide_bv64_checkpoints", fused_fwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, False, False, False, True), ("wgmma_rs", "tma_load")),
     ("fused_bwd_wide_dht_dh0", fused_bwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_bwd_wide_fp16", fused_bwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
     # every tile by cp.async, waited for at its first use
@@ -105,8 +108,8 @@ def test_precompile_lists_every_forward_kernel():
     builds = forward_kernel_builds(SM90, 16, 32, "bfloat16")
     assert {f.__name__ for f, _ in builds} == {"kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel"}
     # kkt_solve for β in q's dtype and in fp32; every V-tile width the launcher can choose,
-    # with and without h0 / h
-    assert len(builds) == 2 + len(BLOCK_V_CHOICES) * 2 * 2
+    # with and without h0, storing no states, h, or checkpoints
+    assert len(builds) == 2 + len(BLOCK_V_CHOICES) * 2 * 3
 
 
 def test_precompile_lists_every_backward_kernel():

@@ -8,7 +8,13 @@ Reads like flash_qla/reference/backward_stages.py:
      activation memory, 4x the size of A (537 MB per layer at 16/32 and T = 32768; about
      0.13 ms of extra writes in the forward at the copy bandwidth, an estimate); the
      recompute measured 0.79 ms there (H200, benchmark/NOTES.md). Memory wins at the
-     lengths training runs;
+     lengths training runs. Where a training forward kept checkpoints (the state every
+     profile.checkpoint_chunks chunks in fp32, 1/16 of h's bytes in bf16;
+     flash_qla.ops.forward.keeps_checkpoints), the walk restarts from them in pieces of
+     that many chunks, all in parallel: long sequences over few heads give it too few
+     blocks otherwise. The states are the same either way (each piece starts from the fp32
+     state the forward walk had there, and walks the same arithmetic). Training step, H200:
+     16/32 1x32768 4.04 -> 3.82 ms, 2/8 1x32768 2.22 -> 1.82 (benchmark/NOTES.md v11);
   3. the backward walk (fused_bwd_wide for V-tiles of 64 or 128 columns, fused_bwd for
      narrower ones): the state gradients dS' walked backward in time, dv, dv_new, dh0;
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
@@ -20,7 +26,7 @@ import torch
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
-from flash_qla.ops.chunks import chunk_offsets_of, chunk_table
+from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table
 from flash_qla.ops.forward import BLOCK_V_CHOICES, DTYPE_NAMES, WIDE_BLOCK_V, choose_block_v, walk_gate, walk_kernel
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
@@ -33,17 +39,18 @@ def backward_walk_kernel(BV: int):
     return fused_bwd_wide_kernel if BV in WIDE_BLOCK_V else fused_bwd_kernel
 
 
-def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens):
+def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints):
     """The GPU backward; arguments and returns as flash_qla.dispatch._backward.
 
     q, k [1, T, Hqk, K]; v, do [1, T, Hv, V]; g_cum, beta [1, T, Hv]; A [1, T, Hv, 64];
-    cu_seqlens [N + 1] int32; dht, initial_state [N, Hv, K, V] float32 or None.
+    cu_seqlens [N + 1] int32; dht, initial_state [N, Hv, K, V] float32 or None;
+    checkpoints: what the forward returned for them, or None.
     """
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
-        return _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens)
+        return _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints)
 
 
-def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens):
+def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints):
     profile = get_profile(q.device)
     C = profile.chunk
     _, T, Hqk, K = q.shape
@@ -68,18 +75,27 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, "float32", True)  # backward mode: β is not read
     executable(kkt)(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
 
-    # 2. states at every chunk start (the final state is a by-product; o is not computed);
-    # both walks run V-tiles of BV columns
+    # 2. states at every chunk start (the final state is a by-product; o is not computed), over
+    # the sequences or, from the forward's checkpoints, over pieces of them
+    h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
+    if checkpoints is None:
+        walks, firsts, h0 = cu_seqlens, chunk_offsets, initial_state
+    else:
+        walks, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, profile.checkpoint_chunks)
+        h0 = checkpoints.index_select(0, rows)
+    n_walks = walks.numel() - 1
+    BV_h = choose_block_v(n_walks, Hv, V, profile)
+    fused = walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, dtype, profile, h0 is not None, True, True)
+    ht = torch.empty(n_walks, Hv, K, V, dtype=f32, device=q.device)
+    # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
+    executable(fused)(
+        q, k, v, walk_gate(BV_h, gamma, gates), A, P, walks, firsts,
+        placeholder if h0 is None else h0.contiguous(), v, ht, h, scale,
+    )  # fmt: skip
+
+    # 3. state gradients, backward in time, over the sequences
     BV = choose_block_v(N, Hv, V, profile)
     gate = walk_gate(BV, gamma, gates)
-    h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
-    h0 = placeholder if initial_state is None else initial_state.contiguous()
-    fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, True, True)
-    ht = torch.empty(N, Hv, K, V, dtype=f32, device=q.device)
-    # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
-    executable(fused)(q, k, v, gate, A, P, cu_seqlens, chunk_offsets, h0, v, ht, h, scale)
-
-    # 3. state gradients, backward in time
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
     dv_new, dv = buffers.new(v.shape, v.dtype, q.device), buffers.new(v.shape, v.dtype, q.device)
     has_dht, has_h0 = dht is not None, initial_state is not None

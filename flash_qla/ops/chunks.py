@@ -34,3 +34,33 @@ def chunk_table(cu_seqlens: torch.Tensor, chunk: int, slots: int) -> torch.Tenso
     start = cu_seqlens[seq] + (slot - offsets[seq]) * chunk
     tokens = (cu_seqlens[seq + 1] - start).clamp_(0, chunk)
     return torch.stack((start, tokens), dim=1).to(torch.int32)
+
+
+@cache_last
+def checkpoint_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int):
+    """The pieces the backward's state recompute walks from a forward's checkpoints.
+
+    A piece starts at each non-empty sequence's first chunk and at each global chunk
+    m · every inside a sequence, and runs to the next such chunk (or its sequence's end).
+    Returns, for P = N + slots // every pieces (an upper bound; those past the last are empty):
+    bounds [P + 1] int32 (token offsets, as cu_seqlens), first_chunks [P + 1] int32 (each
+    piece's first global chunk, as chunk_offsets) and rows [P] int64: the row of the
+    checkpoint buffer (flash_qla.ops.forward.checkpoint_rows) that holds its start state,
+    m for a piece at chunk m · every, slots // every + 1 + n for sequence n's first piece.
+    """
+    n_seqs = cu_seqlens.numel() - 1
+    offsets = chunk_offsets_of(cu_seqlens, chunk)
+    first_token = chunk_table(cu_seqlens, chunk, slots)[:, 0]
+    j = torch.arange(slots, dtype=torch.int32, device=cu_seqlens.device)
+    seq = torch.searchsorted(offsets, j, right=True, out_int32=True).sub_(1).clamp_(0, n_seqs - 1).long()
+    inside = j < offsets[-1]  # a chunk of some sequence
+    seq_start = inside & (offsets[seq] == j)
+    starts = seq_start | (inside & (j % every == 0))
+    n_pieces = n_seqs + slots // every
+    # piece index of each starting chunk; every other chunk lands in a spare last entry
+    dest = torch.where(starts, torch.cumsum(starts, 0) - 1, n_pieces + 1)
+    bounds = cu_seqlens[-1:].repeat(n_pieces + 2).scatter_(0, dest, first_token)[: n_pieces + 1]
+    first_chunks = torch.zeros(n_pieces + 2, dtype=torch.int32, device=j.device).scatter_(0, dest, j)
+    row = torch.where(seq_start, slots // every + 1 + seq, (j // every).long())
+    rows = torch.zeros(n_pieces + 2, dtype=torch.int64, device=j.device).scatter_(0, dest, row)
+    return bounds, first_chunks[: n_pieces + 1], rows[:n_pieces]

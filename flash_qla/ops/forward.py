@@ -3,7 +3,8 @@
 Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk over the
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
-for narrower ones.
+for narrower ones. A training forward may keep state checkpoints instead, for the backward's
+recompute (keeps_checkpoints, flash_qla.ops.backward).
 """
 
 from __future__ import annotations
@@ -44,20 +45,57 @@ WIDE_BLOCK_V = (128, 64)
 CHUNK_COST = {128: 1.6, 64: 0.8, 32: 0.71, 16: 0.58}
 
 
+def chunk_step_time(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile) -> float:
+    """Time of a walk over n_seqs sequences per chunk of each, in CHUNK_COST units.
+
+    The walk runs one block per SM, so its time is the number of waves of blocks
+    (n_seqs · Hv · V / BV over the SMs, rounded up) times the time of one chunk at that width.
+    """
+    return -(-n_seqs * Hv * (V // BV) // profile.num_sms) * CHUNK_COST[BV]
+
+
 def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
     """V-tile width of the fused walks (the forward's and the backward's two): the least
     (waves x chunk cost), ties to the wider.
 
-    The walk runs one block per SM, so its time is the number of waves of blocks
-    (n_seqs · Hv · V / BV over the SMs, rounded up) times the time of one chunk at that width.
     Narrow tiles win when sequences x heads is small (a single long sequence); wide tiles when
     the grid runs several waves anyway. Equal sequence lengths are assumed.
     """
+    return min(BLOCK_V_CHOICES, key=lambda bv: (chunk_step_time(n_seqs, Hv, V, bv, profile), -bv))
 
-    def walk_time(bv: int) -> float:
-        return -(-n_seqs * Hv * (V // bv) // profile.num_sms) * CHUNK_COST[bv]
 
-    return min(BLOCK_V_CHOICES, key=lambda bv: (walk_time(bv), -bv))
+# A training forward keeps checkpoints when the backward's state recompute, restarted from them
+# in pieces of profile.checkpoint_chunks chunks, is estimated to take at most this fraction of
+# the walk over whole sequences: the pieces cost some time the model leaves out (the gather of
+# their start states, a final state written per piece and head)
+CHECKPOINT_GAIN = 0.75
+
+
+def keeps_checkpoints(n_seqs: int, T: int, Hv: int, V: int, profile: ArchProfile) -> bool:
+    """Whether a training forward keeps the state every profile.checkpoint_chunks chunks.
+
+    The backward recomputes the state at every chunk start with the forward walk; from
+    checkpoints it walks pieces of at most checkpoint_chunks chunks instead of whole
+    sequences, with more blocks in parallel: what long sequences over few heads need (16/32
+    1x32768: 32 (sequence, head) pairs become 512). Equal sequence lengths are assumed.
+    """
+    every = profile.checkpoint_chunks
+    chunks = -(-T // (profile.chunk * n_seqs))  # per sequence
+    if chunks <= every:
+        return False
+    pieces = n_seqs * -(-chunks // every)
+
+    def walk_time(n: int, length: int) -> float:
+        return length * min(chunk_step_time(n, Hv, V, bv, profile) for bv in BLOCK_V_CHOICES)
+
+    return walk_time(pieces, every) <= CHECKPOINT_GAIN * walk_time(n_seqs, chunks)
+
+
+def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
+    """Rows of a forward's checkpoint buffer: row m holds the state at global chunk
+    m · checkpoint_chunks (written by the walk where that chunk is inside a sequence), row
+    slots // checkpoint_chunks + 1 + n sequence n's initial state."""
+    return slots // profile.checkpoint_chunks + 1 + n_seqs
 
 
 def walk_kernel(BV: int):
@@ -84,7 +122,7 @@ def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
     return beta.dtype if beta.dtype == q.dtype else torch.float32
 
 
-def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h):
+def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, checkpoint):
     """The GPU forward; arguments and returns as flash_qla.dispatch._forward.
 
     q, k [1, T, Hqk, K]; v [1, T, Hv, V]; g, beta [1, T, Hv]; cu_seqlens [N + 1] int32;
@@ -94,10 +132,12 @@ def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_f
     tensor once, flash_qla.validation.)
     """
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
-        return _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h)
+        return _forward_kernels(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, checkpoint
+        )
 
 
-def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h):
+def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, checkpoint):
     device = q.device
     profile = get_profile(device)
     C = profile.chunk
@@ -127,17 +167,29 @@ def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_
     h = None
     if output_h:
         h = buffers.new((int(chunk_offsets[-1]), Hv, K, V), torch.float32, device)
+    checkpoints = None
+    if checkpoint and keeps_checkpoints(N, T, Hv, V, profile):
+        checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), torch.float32, device)
+        starts = checkpoints[checkpoints.shape[0] - N:]
+        if initial_state is not None:
+            starts.copy_(initial_state)
+        else:
+            starts.zero_()
     h0 = initial_state.contiguous() if initial_state is not None else placeholder
     BV = choose_block_v(N, Hv, V, profile)
-    fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, output_h)
+    fused = walk_kernel(BV)(
+        Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, output_h, False, checkpoints is not None
+    )
     gate = walk_gate(BV, gamma, gates)
-    executable(fused)(q, k, v, gate, A, P, cu_seqlens, chunk_offsets, h0, o, final_state, h if output_h else placeholder, scale)
+    states = h if output_h else checkpoints if checkpoints is not None else placeholder
+    executable(fused)(q, k, v, gate, A, P, cu_seqlens, chunk_offsets, h0, o, final_state, states, scale)
     return (
         g_cum[None],
         A[None],
         o[None],
         h,
         final_state if output_final_state else None,
+        checkpoints,
     )
 
 
@@ -148,4 +200,6 @@ def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K
         for has_h0 in (False, True):
             for store_h in (False, True):
                 builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, store_h)))
+            # a training forward keeping checkpoints
+            builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, False, False, True)))
     return builds

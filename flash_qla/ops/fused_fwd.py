@@ -32,7 +32,9 @@ Outputs:
     o        [T, Hv, V]    input dtype
     ht       [N, Hv, K, V] fp32 final state
     h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H;
-                           input dtype and o not written when STATES_ONLY)
+                           input dtype and o not written when STATES_ONLY); with
+                           CHECKPOINT [NT // E + ..., Hv, K, V] fp32, the state at the start
+                           of the global chunks j = m E (not a sequence's first) in row m
 
 Schedule: grid (V / BV, Hv, N), one block walks its sequence's chunks in order. The
 launcher runs this form for V-tiles of 32 and 16 columns: tiles of 64 and 128 run
@@ -83,14 +85,20 @@ def fused_fwd_kernel(
     HAS_H0: bool,
     STORE_H: bool,
     STATES_ONLY: bool = False,
+    CHECKPOINT: bool = False,
 ):
     """Compile (or load from TileLang's cache) the fused forward for one static config.
 
     STATES_ONLY is the backward's recompute: the walk stores h (in the input dtype, the
     precision its consumers read it in) and the final state, and skips o (no q or P loads,
     no Q S or P v_new products).
+    CHECKPOINT (training forwards): h holds only the checkpoints, the states at the global
+    chunks j = m · profile.checkpoint_chunks inside a sequence (not at its first chunk), in
+    row m, fp32; the backward restarts its state recompute from them (flash_qla.ops.backward).
     """
     assert STORE_H or not STATES_ONLY, "STATES_ONLY stores h"
+    assert not (CHECKPOINT and STORE_H), "h holds either every state or the checkpoints"
+    E = profile.checkpoint_chunks
     h_dtype = dtype if STATES_ONLY else "float32"
     C = profile.chunk
     GROUPS = Hv // Hqk
@@ -180,6 +188,9 @@ def fused_fwd_kernel(
 
                 if STORE_H and not STATES_ONLY:
                     T.copy(S, h[first_chunk + c, ih, :, v0:v0 + BV])
+                if CHECKPOINT:
+                    if c > 0 and (first_chunk + c) % E == 0:
+                        T.copy(S, h[(first_chunk + c) // E, ih, :, v0:v0 + BV])
                 T.copy(S, s_s)
                 if STATES_ONLY:
                     T.copy(s_s, h[first_chunk + c, ih, :, v0:v0 + BV])

@@ -61,12 +61,15 @@ def fused_fwd_wide_kernel(
     HAS_H0: bool,
     STORE_H: bool,
     STATES_ONLY: bool = False,
+    CHECKPOINT: bool = False,
 ):
     """Compile (or load from TileLang's cache) the wide-tile fused forward for one static config.
 
     Arguments as fused_fwd_kernel; BV is a multiple of 64 (one consumer warpgroup per 64 columns).
     """
     assert STORE_H or not STATES_ONLY, "STATES_ONLY stores h"
+    assert not (CHECKPOINT and STORE_H), "h holds either every state or the checkpoints"
+    E = profile.checkpoint_chunks
     assert BV % ROWS_PER_WARPGROUP == 0, "one consumer warpgroup per 64 rows of Sᵀ"
     h_dtype = dtype if STATES_ONLY else "float32"
     C = profile.chunk
@@ -156,6 +159,10 @@ def fused_fwd_wide_kernel(
                 if STORE_H and not STATES_ONLY:
                     for j, d in T.Parallel(BV, K):
                         h[first_chunk + c, ih, d, v0 + j] = St[j, d]
+                if CHECKPOINT:
+                    if c > 0 and (first_chunk + c) % E == 0:
+                        for j, d in T.Parallel(BV, K):
+                            h[(first_chunk + c) // E, ih, d, v0 + j] = St[j, d]
                 T.copy(St, Sb)
                 if STATES_ONLY:
                     for j, d in T.Parallel(BV, K):

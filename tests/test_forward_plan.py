@@ -10,6 +10,8 @@ from flash_qla.arch import SM90, profile_by_name, unsupported_reason
 from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
+    RECOMPUTE_CHUNK_COST,
+    checkpoint_pieces_expected,
     checkpoint_rows,
     choose_block_v,
     kernel_unsupported_reason,
@@ -66,6 +68,20 @@ def test_gpu_cases_cover_every_block_v():
 )
 def test_checkpoints_kept_where_pieces_fill_the_gpu(n_seqs, T, Hv, expected):
     assert keeps_checkpoints(n_seqs, T, Hv, 128, SM90) == expected
+
+
+@pytest.mark.parametrize(
+    "n_seqs,T,Hv,expected",
+    [
+        (1, 32768, 32, 128),  # 16 pieces x 32 heads: 4 waves of 128 columns beat 8 of 64
+        (1, 32768, 8, 128),  # 16 x 8: one wave of 128 columns beats two of 64
+        (1, 8192, 32, 128),
+    ],
+)
+def test_recompute_over_pieces_runs_wide_tiles(n_seqs, T, Hv, expected):
+    """The state recompute's two chains at 128 columns cost 1.4x one at 64, not 2x (measured)."""
+    pieces = checkpoint_pieces_expected(n_seqs, T, SM90)
+    assert choose_block_v(pieces, Hv, 128, SM90, RECOMPUTE_CHUNK_COST) == expected
 
 
 def _pieces_by_hand(seqlens, chunk, every):

@@ -14,7 +14,7 @@ Reads like flash_qla/reference/backward_stages.py:
      that many chunks, all in parallel: long sequences over few heads give it too few
      blocks otherwise. The states are the same either way (each piece starts from the fp32
      state the forward walk had there, and walks the same arithmetic). Training step, H200:
-     16/32 1x32768 4.04 -> 3.82 ms, 2/8 1x32768 2.22 -> 1.82 (benchmark/NOTES.md v11);
+     16/32 1x32768 4.05 -> 3.78 ms, 2/8 1x32768 2.24 -> 1.81 (benchmark/NOTES.md v11);
   3. the backward walk (fused_bwd_wide for V-tiles of 64 or 128 columns, fused_bwd for
      narrower ones): the state gradients dS' walked backward in time, dv, dv_new, dh0;
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
@@ -27,7 +27,16 @@ from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
 from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table
-from flash_qla.ops.forward import BLOCK_V_CHOICES, DTYPE_NAMES, WIDE_BLOCK_V, choose_block_v, walk_gate, walk_kernel
+from flash_qla.ops.forward import (
+    BLOCK_V_CHOICES,
+    DTYPE_NAMES,
+    RECOMPUTE_CHUNK_COST,
+    WIDE_BLOCK_V,
+    checkpoint_pieces_expected,
+    choose_block_v,
+    walk_gate,
+    walk_kernel,
+)
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
@@ -80,11 +89,15 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
     h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
     if checkpoints is None:
         walks, firsts, h0 = cu_seqlens, chunk_offsets, initial_state
+        BV_h = choose_block_v(N, Hv, V, profile, RECOMPUTE_CHUNK_COST)
     else:
         walks, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, profile.checkpoint_chunks)
         h0 = checkpoints.index_select(0, rows)
+        # the empty pieces past the last (walks has room for N + slots // checkpoint_chunks)
+        # exit at once: the width is chosen for the pieces that walk
+        pieces = checkpoint_pieces_expected(N, T, profile)
+        BV_h = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
     n_walks = walks.numel() - 1
-    BV_h = choose_block_v(n_walks, Hv, V, profile)
     fused = walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, dtype, profile, h0 is not None, True, True)
     ht = torch.empty(n_walks, Hv, K, V, dtype=f32, device=q.device)
     # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)

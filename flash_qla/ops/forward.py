@@ -43,25 +43,30 @@ WIDE_BLOCK_V = (128, 64)
 # the transposed walk at 64 columns takes 0.8 of fused_fwd's time there; at 128 it runs two
 # chains that slow each other down, but not to twice the time
 CHUNK_COST = {128: 1.6, 64: 0.8, 32: 0.71, 16: 0.58}
+# the same for the backward's state recompute (the walk without o: no q or P tiles, no Q S or
+# P v_new), in the same units: its two chains at 128 columns slow each other less (H200, over
+# checkpoint pieces and whole sequences, benchmark/NOTES.md v11 step 5)
+RECOMPUTE_CHUNK_COST = {128: 1.4, 64: 0.8, 32: 0.67, 16: 0.51}
 
 
-def chunk_step_time(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile) -> float:
-    """Time of a walk over n_seqs sequences per chunk of each, in CHUNK_COST units.
+def chunk_step_time(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile, cost=CHUNK_COST) -> float:
+    """Time of a walk over n_seqs sequences per chunk of each, in units of the cost table.
 
     The walk runs one block per SM, so its time is the number of waves of blocks
     (n_seqs · Hv · V / BV over the SMs, rounded up) times the time of one chunk at that width.
     """
-    return -(-n_seqs * Hv * (V // BV) // profile.num_sms) * CHUNK_COST[BV]
+    return -(-n_seqs * Hv * (V // BV) // profile.num_sms) * cost[BV]
 
 
-def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
-    """V-tile width of the fused walks (the forward's and the backward's two): the least
-    (waves x chunk cost), ties to the wider.
+def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile, cost=CHUNK_COST) -> int:
+    """V-tile width of a fused walk: the least (waves x chunk cost), ties to the wider.
 
     Narrow tiles win when sequences x heads is small (a single long sequence); wide tiles when
-    the grid runs several waves anyway. Equal sequence lengths are assumed.
+    the grid runs several waves anyway. Equal sequence lengths are assumed. `cost`: the chunk
+    cost table of the walk (CHUNK_COST: the forward's, also used for the backward walk;
+    RECOMPUTE_CHUNK_COST: the state recompute's).
     """
-    return min(BLOCK_V_CHOICES, key=lambda bv: (chunk_step_time(n_seqs, Hv, V, bv, profile), -bv))
+    return min(BLOCK_V_CHOICES, key=lambda bv: (chunk_step_time(n_seqs, Hv, V, bv, profile, cost), -bv))
 
 
 # A training forward keeps checkpoints when the backward's state recompute, restarted from them
@@ -69,6 +74,12 @@ def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
 # the walk over whole sequences: the pieces cost some time the model leaves out (the gather of
 # their start states, a final state written per piece and head)
 CHECKPOINT_GAIN = 0.75
+
+
+def checkpoint_pieces_expected(n_seqs: int, T: int, profile: ArchProfile) -> int:
+    """Pieces of profile.checkpoint_chunks chunks the sequences split into, equal lengths assumed."""
+    chunks = -(-T // (profile.chunk * n_seqs))  # per sequence
+    return n_seqs * -(-chunks // profile.checkpoint_chunks)
 
 
 def keeps_checkpoints(n_seqs: int, T: int, Hv: int, V: int, profile: ArchProfile) -> bool:
@@ -83,11 +94,12 @@ def keeps_checkpoints(n_seqs: int, T: int, Hv: int, V: int, profile: ArchProfile
     chunks = -(-T // (profile.chunk * n_seqs))  # per sequence
     if chunks <= every:
         return False
-    pieces = n_seqs * -(-chunks // every)
 
     def walk_time(n: int, length: int) -> float:
-        return length * min(chunk_step_time(n, Hv, V, bv, profile) for bv in BLOCK_V_CHOICES)
+        steps = (chunk_step_time(n, Hv, V, bv, profile, RECOMPUTE_CHUNK_COST) for bv in BLOCK_V_CHOICES)
+        return length * min(steps)
 
+    pieces = checkpoint_pieces_expected(n_seqs, T, profile)
     return walk_time(pieces, every) <= CHECKPOINT_GAIN * walk_time(n_seqs, chunks)
 
 

@@ -55,6 +55,9 @@ Every product runs on wgmma with fp32 accumulators, in three phases that keep fe
 accumulators live: products with S (K S, Q S, K dS', v_new); the [C, C] products (dP, dN,
 N v_new, Nᵀ dU) with the reductions; then dq and dk, which are staged in q's and k's tiles
 for whole-row 16-byte stores (from the accumulators a store writes 4 bytes of a row).
+The four [C, C] terms of dq and dk are issued without a wait before dβ and dγ, whose
+reductions and serial sums use no tensor cores, and waited for after them (1.390 -> 1.375
+ms at 16/32 8x4096, 1.391 -> 1.367 at 1x32768; benchmark/NOTES.md v11 step 6).
 Against synchronous tile copies and direct stores: 16/32 8x4096 backward 3.39 -> 2.79 ms,
 1x32768 3.99 -> 3.43 (benchmark/NOTES.md v8). The row and column sums batch each thread's
 results into one exchange between the warpgroups (`ROW_BATCH`, `COL_BATCH`): the reductions
@@ -250,6 +253,14 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     # W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
                     T.gemm(n_s, vn_s, QS, clear_accum=True)
                     T.gemm(n_s, du_s, KD, transpose_A=True, clear_accum=True)
+
+                    # the [C, C] terms of dq and dk run on the tensor cores under dβ and dγ, which
+                    # use none: dq += (dP ⊙ Γ) K, dk += (dP ⊙ Γ)ᵀ Q + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
+                    T.wgmma_gemm(dqk_s, k_s, DQ)
+                    T.wgmma_gemm(dqk_s, q_s, DK, transpose_A=True)
+                    T.wgmma_gemm(dkk_s, k_s, DK)
+                    T.wgmma_gemm(dkk_s, k_s, DK, transpose_A=True)
+
                     arrived(pending_after("dv_new"))
                     for i, j in T.Parallel(C, V):
                         X[i, j] = (dvn_s[i, j] - KD[i, j]) * (KS[i, j] - QS[i, j])
@@ -275,20 +286,19 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         if i < valid:
                             dg[t0 + i, ih] = dg_s[i]
 
-                    # 3. dq += scale diag(e^γ) dO Sᵀ + (dP ⊙ Γ) K
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(DQ, num_regs=C * K // profile.grads_threads)
+                    T.warpgroup_fence_operand(DK, num_regs=C * K // profile.grads_threads)
+
+                    # 3. the state terms: dq += scale diag(e^γ) dO Sᵀ,
+                    #    dk += −diag(e^γ) dU Sᵀ + diag(e^{γ_L − γ}) v_new dS'ᵀ
                     T.gemm(do_s, s_s, Y, transpose_B=True, clear_accum=True)
                     for i, d in T.Parallel(C, K):
                         DQ[i, d] = DQ[i, d] + Y[i, d] * (scale * eg_s[i])
-                    T.gemm(dqk_s, k_s, DQ)
-
-                    # dk += −diag(e^γ) dU Sᵀ + diag(e^{γ_L − γ}) v_new dS'ᵀ + (dP ⊙ Γ)ᵀ Q + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
                     T.gemm(du_s, s_s, Y, transpose_B=True, clear_accum=True)
                     T.gemm(vn_s, ds_s, Z, transpose_B=True, clear_accum=True)
                     for i, d in T.Parallel(C, K):
                         DK[i, d] = DK[i, d] + ed_s[i] * Z[i, d] - eg_s[i] * Y[i, d]
-                    T.gemm(dqk_s, q_s, DK, transpose_A=True)
-                    T.gemm(dkk_s, k_s, DK)
-                    T.gemm(dkk_s, k_s, DK, transpose_A=True)
 
                 # dq and dk staged in q's and k's tiles (free now) for whole-row 16-byte stores
                 T.copy(DQ, q_s)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from flash_qla.autograd import ChunkGatedDeltaRuleFunction
 from flash_qla.dispatch import _backward, _forward
-from flash_qla.validation import check_backward_inputs, check_inputs, check_options
+from flash_qla.validation import check_backward_inputs, check_inputs, check_options, seqlens_of
 
 
 def _default_scale(scale, q):
@@ -140,7 +140,9 @@ def chunk_gated_delta_rule(
         output_final_state,
     )
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-        o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, auto_cp)
+        # the planner weighs the backward's split by the sequence lengths, which validation read
+        seqlens = None if not auto_cp else (T,) * B if cu_seqlens is None else seqlens_of(cu_seqlens, T)
+        o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens)
     else:  # nothing to differentiate: no autograd node, nothing saved for a backward
         _, _, o, _, final_state, _ = _forward(*args, False)
     return _unpack(o, B, T), _state_out(final_state, state_v_first)

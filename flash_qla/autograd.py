@@ -10,9 +10,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     the planner keeps them, state checkpoints) for the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, checkpoint):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, seqlens):
+        """seqlens: the sequence lengths when the planner may keep checkpoints, else None."""
         g_cum, A, o, _, final_state, checkpoints = _forward(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, False, checkpoint
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, False, seqlens
         )
         ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints)
         ctx.scale = scale

@@ -22,9 +22,11 @@ def _check_kernel_inputs(q, v):
         raise ValueError(f"q: {reason}")
 
 
-def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, checkpoint=False):
-    """Core forward; g is the raw gate. checkpoint: a backward will follow (training), so keep
-    state checkpoints for it where they pay.
+def _forward(
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, training_seqlens=None
+):
+    """Core forward; g is the raw gate. training_seqlens: when a backward will follow, the
+    sequence lengths, by which the planner keeps state checkpoints for it where they pay.
 
     Returns
     -------
@@ -34,14 +36,14 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_st
     h : [NT, Hv, K, V] float32, state at the start of each chunk; None unless output_h.
     final_state : [N, Hv, K, V] float32; None unless output_final_state.
     checkpoints : for _backward (flash_qla.ops.forward.keeps_checkpoints), or None: always
-        None unless checkpoint, and on the PyTorch path.
+        None without training_seqlens, and on the PyTorch path.
     """
     if q.is_cuda:
         from flash_qla.ops.forward import forward_kernels
 
         _check_kernel_inputs(q, v)
         return forward_kernels(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, checkpoint
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, training_seqlens
         )
     outputs = chunk_gated_delta_rule_fwd_ref(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h

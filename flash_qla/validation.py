@@ -100,15 +100,18 @@ def check_cu_seqlens(cu_seqlens, q):
     if q.shape[0] != 1:
         raise ValueError(f"cu_seqlens: expected batch size B == 1 with packed sequences, got B = {q.shape[0]}")
     _check_device("cu_seqlens", cu_seqlens, q.device)
-    _check_cu_seqlens_values(cu_seqlens, q.shape[1])
+    seqlens_of(cu_seqlens, q.shape[1])
 
 
 @cache_last
-def _check_cu_seqlens_values(cu_seqlens, T):
+def seqlens_of(cu_seqlens, T):
+    """The sequence lengths (a tuple) of a valid cu_seqlens for T tokens; raises a ValueError
+    naming cu_seqlens otherwise. Cached: after check_cu_seqlens passed this tensor, no sync."""
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
         shown = ", ".join(map(str, bounds[:16])) + (", ..." if len(bounds) > 16 else "")
         raise ValueError(f"cu_seqlens: expected non-decreasing values from 0 to T = {T}, got [{shown}]")
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
 def check_state(name, state, q, N, Hv, K, V, state_v_first):

@@ -56,18 +56,23 @@ def test_gpu_cases_cover_every_block_v():
 
 
 @pytest.mark.parametrize(
-    "n_seqs,T,Hv,expected",
+    "seqlens,Hv,expected",
     [
-        (1, 32768, 32, True),  # 32 (sequence, head) pairs of 512 chunks: 16 pieces each
-        (1, 32768, 8, True),
-        (1, 8192, 32, True),
-        (1, 2048, 32, False),  # no longer than one piece
-        (8, 32768, 32, False),  # 256 pairs of wide tiles fill the SMs already
-        (1, 32768, 64, False),  # 64 pairs at BV = 64 fill them too
+        ((32768,), 32, True),  # 32 (sequence, head) pairs of 512 chunks: 16 pieces each
+        ((32768,), 8, True),
+        ((8192,), 32, True),
+        ((2048,), 32, False),  # no longer than one piece
+        ((4096,) * 8, 32, False),  # 256 pairs of wide tiles fill the SMs already
+        ((32768,), 64, False),  # 64 pairs at BV = 64 fill them too
+        ((16384, 16384), 32, False),
+        ((28672, 4096), 32, True),  # the long sequence bounds the walk: 448 chunks
+        ((20000, 8000, 4000, 768), 32, True),
     ],
+    ids=["1x32768", "1x32768_8_heads", "1x8192", "1x2048", "4096x8", "1x32768_64_heads", "16384x2",
+         "28672+4096", "20000+8000+4000+768"],  # fmt: skip
 )
-def test_checkpoints_kept_where_pieces_fill_the_gpu(n_seqs, T, Hv, expected):
-    assert keeps_checkpoints(n_seqs, T, Hv, 128, SM90) == expected
+def test_checkpoints_kept_where_pieces_fill_the_gpu(seqlens, Hv, expected):
+    assert keeps_checkpoints(seqlens, Hv, 128, SM90) == expected
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import torch
 from flash_qla import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 from flash_qla.reference import CHUNK_SIZE
 from flash_qla.reference.inputs import make_inputs
+from flash_qla.validation import seqlens_of
 
 B, T, HQK, HV, K, V = 2, 10, 2, 4, 8, 4  # K != V, so a swapped state layout is caught
 
@@ -203,3 +204,11 @@ def test_cu_seqlens_recheck_after_in_place_change():
     cu[1] = 11
     with pytest.raises(ValueError, match="cu_seqlens"):
         chunk_gated_delta_rule(**x, cu_seqlens=cu)
+
+
+def test_seqlens_read_once_per_tensor(monkeypatch):
+    """The lengths the planner weighs come from validation's one read of cu_seqlens."""
+    cu = torch.tensor([0, 4, 4, 10])
+    assert seqlens_of(cu, 10) == (4, 0, 6)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("cu_seqlens read again"))
+    assert seqlens_of(cu, 10) == (4, 0, 6)

@@ -82,25 +82,27 @@ def checkpoint_pieces_expected(n_seqs: int, T: int, profile: ArchProfile) -> int
     return n_seqs * -(-chunks // profile.checkpoint_chunks)
 
 
-def keeps_checkpoints(n_seqs: int, T: int, Hv: int, V: int, profile: ArchProfile) -> bool:
-    """Whether a training forward keeps the state every profile.checkpoint_chunks chunks.
+def keeps_checkpoints(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
+    """Whether a training forward over sequences of these lengths keeps the state every
+    profile.checkpoint_chunks chunks.
 
     The backward recomputes the state at every chunk start with the forward walk; from
     checkpoints it walks pieces of at most checkpoint_chunks chunks instead of whole
     sequences, with more blocks in parallel: what long sequences over few heads need (16/32
-    1x32768: 32 (sequence, head) pairs become 512). Equal sequence lengths are assumed.
+    1x32768: 32 (sequence, head) pairs become 512). A walk's time is modelled as its waves
+    times the chunks of its longest sequence (or piece).
     """
     every = profile.checkpoint_chunks
-    chunks = -(-T // (profile.chunk * n_seqs))  # per sequence
-    if chunks <= every:
+    chunks = [-(-n // profile.chunk) for n in seqlens]
+    if max(chunks) <= every:
         return False
 
     def walk_time(n: int, length: int) -> float:
         steps = (chunk_step_time(n, Hv, V, bv, profile, RECOMPUTE_CHUNK_COST) for bv in BLOCK_V_CHOICES)
         return length * min(steps)
 
-    pieces = checkpoint_pieces_expected(n_seqs, T, profile)
-    return walk_time(pieces, every) <= CHECKPOINT_GAIN * walk_time(n_seqs, chunks)
+    pieces = sum(-(-c // every) for c in chunks)
+    return walk_time(pieces, every) <= CHECKPOINT_GAIN * walk_time(len(chunks), max(chunks))
 
 
 def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
@@ -134,7 +136,9 @@ def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
     return beta.dtype if beta.dtype == q.dtype else torch.float32
 
 
-def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, checkpoint):
+def forward_kernels(
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, training_seqlens
+):
     """The GPU forward; arguments and returns as flash_qla.dispatch._forward.
 
     q, k [1, T, Hqk, K]; v [1, T, Hv, V]; g, beta [1, T, Hv]; cu_seqlens [N + 1] int32;
@@ -145,11 +149,13 @@ def forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_f
     """
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
         return _forward_kernels(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, checkpoint
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, training_seqlens
         )
 
 
-def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, checkpoint):
+def _forward_kernels(
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, training_seqlens
+):
     device = q.device
     profile = get_profile(device)
     C = profile.chunk
@@ -180,7 +186,7 @@ def _forward_kernels(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_
     if output_h:
         h = buffers.new((int(chunk_offsets[-1]), Hv, K, V), torch.float32, device)
     checkpoints = None
-    if checkpoint and keeps_checkpoints(N, T, Hv, V, profile):
+    if training_seqlens is not None and keeps_checkpoints(training_seqlens, Hv, V, profile):
         checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), torch.float32, device)
         starts = checkpoints[checkpoints.shape[0] - N:]
         if initial_state is not None:

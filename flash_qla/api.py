@@ -140,8 +140,9 @@ def chunk_gated_delta_rule(
         output_final_state,
     )
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-        # the planner weighs the backward's split by the sequence lengths, which validation read
-        seqlens = None if not auto_cp else (T,) * B if cu_seqlens is None else seqlens_of(cu_seqlens, T)
+        seqlens = None  # what the planner weighs the backward's split by: lengths validation read
+        if auto_cp:
+            seqlens = (T,) * B if cu_seqlens is None else seqlens_of(cu_seqlens, T)
         o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens)
     else:  # nothing to differentiate: no autograd node, nothing saved for a backward
         _, _, o, _, final_state, _ = _forward(*args, False)

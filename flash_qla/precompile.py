@@ -3,7 +3,8 @@
     python -m flash_qla.precompile --arch sm90 --heads 16/32 --dtype bfloat16 [--cache-dir DIR]
                                    [--forward-only] [--jobs N]
 
-Forward and backward kernels, unless --forward-only.
+Every kernel training runs (the forward's, the backward's and the forward walk that keeps
+checkpoints), unless --forward-only (inference: the forward's).
 Compiles into TileLang's kernel cache (``--cache-dir`` or ``TILELANG_CACHE_DIR``); no GPU
 is needed. At run time the library builds the identical target for the GPU it runs on,
 so a precompiled cache is hit and the first call does not stall on compilation. Run
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=parse_heads, action="append", required=True, help="Hqk/Hv, may repeat")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), action="append", help="may repeat (default bfloat16)")
     parser.add_argument("--cache-dir", help="TileLang cache directory (default: TILELANG_CACHE_DIR or TileLang's)")
-    parser.add_argument("--forward-only", action="store_true", help="skip the backward's kernels (inference)")
+    parser.add_argument("--forward-only", action="store_true", help="only the inference forward's kernels")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     args = parser.parse_args(argv)
     if args.cache_dir:

@@ -108,8 +108,8 @@ def test_precompile_lists_every_forward_kernel():
     builds = forward_kernel_builds(SM90, 16, 32, "bfloat16")
     assert {f.__name__ for f, _ in builds} == {"kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel"}
     # kkt_solve for β in q's dtype and in fp32; every V-tile width the launcher can choose,
-    # with and without h0, storing no states, h, or checkpoints
-    assert len(builds) == 2 + len(BLOCK_V_CHOICES) * 2 * 3
+    # with and without h0 / h
+    assert len(builds) == 2 + len(BLOCK_V_CHOICES) * 2 * 2
 
 
 def test_precompile_lists_every_backward_kernel():
@@ -122,6 +122,7 @@ def test_precompile_lists_every_backward_kernel():
         "fused_bwd_wide_kernel",
         "chunk_grads_kernel",
     }
-    # kkt_solve in backward mode; for every V-tile width the states-only forward walk with and
-    # without h0 and the backward walk with and without dht / dh0; chunk_grads
-    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * 2 + len(BLOCK_V_CHOICES) * 2 * 2 + 1
+    # kkt_solve in backward mode; for every V-tile width, with and without h0, the forward walk
+    # keeping checkpoints and the states-only one, and the backward walk with and without
+    # dht / dh0; chunk_grads
+    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * 2 * 2 + len(BLOCK_V_CHOICES) * 2 * 2 + 1

@@ -134,10 +134,12 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
 
 
 def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
-    """Every (factory, args) the backward compiles for one head layout, beyond the forward's."""
+    """Every (factory, args) training compiles for one head layout, beyond the inference forward's."""
     builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, "float32", True))]
     for bv in BLOCK_V_CHOICES:
         for has_h0 in (False, True):
+            # the forward walk keeping checkpoints, and the states-only recompute
+            builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, False, False, True)))
             builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, True, True)))
     for bv in BLOCK_V_CHOICES:
         for has_dht in (False, True):

@@ -218,6 +218,4 @@ def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K
         for has_h0 in (False, True):
             for store_h in (False, True):
                 builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, store_h)))
-            # a training forward keeping checkpoints
-            builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, False, False, True)))
     return builds

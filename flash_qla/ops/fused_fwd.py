@@ -33,8 +33,9 @@ Outputs:
     ht       [N, Hv, K, V] fp32 final state
     h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H;
                            input dtype and o not written when STATES_ONLY); with
-                           CHECKPOINT [NT // E + ..., Hv, K, V] fp32, the state at the start
-                           of the global chunks j = m E (not a sequence's first) in row m
+                           CHECKPOINT the checkpoint buffer (forward.checkpoint_rows): row m
+                           the state at the start of global chunk m E, E =
+                           profile.checkpoint_chunks, where that chunk is not a sequence's first
 
 Schedule: grid (V / BV, Hv, N), one block walks its sequence's chunks in order. The
 launcher runs this form for V-tiles of 32 and 16 columns: tiles of 64 and 128 run

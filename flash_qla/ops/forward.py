@@ -93,9 +93,9 @@ def keeps_checkpoints(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     times the chunks of its longest sequence (or piece).
     """
     every = profile.checkpoint_chunks
-    chunks = [-(-n // profile.chunk) for n in seqlens]
-    if max(chunks) <= every:
+    if max(seqlens) <= every * profile.chunk:  # no piece to split off (and no per-sequence loop)
         return False
+    chunks = [-(-n // profile.chunk) for n in seqlens]
 
     def walk_time(n: int, length: int) -> float:
         steps = (chunk_step_time(n, Hv, V, bv, profile, RECOMPUTE_CHUNK_COST) for bv in BLOCK_V_CHOICES)

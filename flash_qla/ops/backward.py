@@ -5,10 +5,12 @@ Reads like flash_qla/reference/backward_stages.py:
      exponentials) from g_cum; A is the forward's (kept, not recomputed);
   2. the forward walk, STATES_ONLY: the states S at every chunk start, recomputed in the
      input dtype. Keeping them from the forward instead would cost [chunks, Hv, K, V] of
-     activation memory, 4x the size of A (537 MB per layer at 16/32 and T = 32768; about
-     0.13 ms of extra writes in the forward at the copy bandwidth, an estimate); the
-     recompute measured 0.79 ms there (H200, benchmark/NOTES.md). Memory wins at the
-     lengths training runs. Where a training forward kept checkpoints (the state every
+     activation memory, 4x the size of A (537 MB per layer in bf16 at 16/32 and T = 32768).
+     Measured on the H200 at 16/32 (benchmark/NOTES.md v12): the forward walk storing them
+     in fp32 takes +0.31 ms at 8x4096 and +0.24 ms at 1x32768 (in bf16, half the bytes:
+     ~0.15 and ~0.12, estimated), where the recompute takes 0.33 and 0.36 ms: keeping
+     them would save ~0.2 ms of a 3.0-3.8 ms training step for 4x A's memory. Memory wins
+     at the lengths training runs. Where a training forward kept checkpoints (the state every
      profile.checkpoint_chunks chunks in fp32, 1/16 of h's bytes in bf16;
      flash_qla.ops.forward.keeps_checkpoints), the walk restarts from them in pieces of
      that many chunks, all in parallel: long sequences over few heads give it too few

@@ -45,6 +45,12 @@ def _dense_cu_seqlens(B, T, device):
     return torch.arange(B + 1, dtype=torch.int32, device=device) * T
 
 
+def _planned_seqlens(cu_seqlens, B, T):
+    """The sequence lengths the planner weighs (flash_qla.dispatch._forward): those validation read
+    from cu_seqlens (cached: no second read), or B of T for a dense batch."""
+    return (T,) * B if cu_seqlens is None else seqlens_of(cu_seqlens, T)
+
+
 def _state_in(state, state_v_first, q):
     """User layout -> [N, Hv, K, V] in float32 (float64 for float64 inputs, PyTorch path only)."""
     if state is None:
@@ -109,12 +115,16 @@ def chunk_gated_delta_rule(
     state_v_first : bool
         States are laid out [N, Hv, V, K] instead of [N, Hv, K, V].
     auto_cp : bool
-        Let the planner split long sequences where that pays. Today this covers the
-        backward's state recompute: with a gradient to compute, the GPU forward keeps the
-        state every 32 chunks (fp32, [T / 2048 + N, Hv, K, V] per call, saved for the
-        backward) when long sequences over few heads would leave the recompute's walk with
-        too few blocks, and the backward restarts it from them in parallel pieces. The
-        gradients are the same either way. The forward itself is never split yet.
+        Let the planner split long sequences where that pays (GPU only). The forward walks a
+        single long sequence over few heads (2/8 at 32768 tokens; not several sequences yet)
+        in pieces of 32 chunks that run in parallel, each from its exact start state
+        (DESIGN.md §1's exact route: o and final_state agree with the unsplit walk within
+        rounding). With a gradient to compute, the GPU forward keeps the state every 32
+        chunks (fp32, [T / 2048 + N, Hv, K, V] per call, saved for the backward) when long
+        sequences over few heads would leave the backward's state recompute with too few
+        blocks (and whenever the forward split: the pieces' start states are those states),
+        and the backward restarts it from them in parallel pieces. The gradients are the
+        same either way, up to rounding where the forward split.
     head_first : bool
         Must be False: [B, H, T, D] inputs are not supported.
 
@@ -139,13 +149,11 @@ def chunk_gated_delta_rule(
         _packed_cu_seqlens(cu_seqlens, q),
         output_final_state,
     )
+    seqlens = _planned_seqlens(cu_seqlens, B, T) if auto_cp else None
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-        seqlens = None  # what the planner weighs the backward's split by: lengths validation read
-        if auto_cp:
-            seqlens = (T,) * B if cu_seqlens is None else seqlens_of(cu_seqlens, T)
         o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens)
     else:  # nothing to differentiate: no autograd node, nothing saved for a backward
-        _, _, o, _, final_state, _ = _forward(*args, False)
+        _, _, o, _, final_state, _ = _forward(*args, False, seqlens)
     return _unpack(o, B, T), _state_out(final_state, state_v_first)
 
 
@@ -161,6 +169,7 @@ def chunk_gated_delta_rule_fwd(
     output_final_state=True,
     output_h=False,
     state_v_first=False,
+    auto_cp=True,
 ):
     """Forward of the chunked Gated Delta Rule, returning what the backward needs. Not differentiable.
 
@@ -175,6 +184,9 @@ def chunk_gated_delta_rule_fwd(
         Return final_state.
     output_h : bool
         Return h.
+    auto_cp : bool
+        As for chunk_gated_delta_rule: a single long sequence over few heads walks in
+        pieces (the same results within rounding).
 
     Returns
     -------
@@ -204,6 +216,7 @@ def chunk_gated_delta_rule_fwd(
             _packed_cu_seqlens(cu_seqlens, q),
             output_final_state,
             output_h,
+            _planned_seqlens(cu_seqlens, B, T) if auto_cp else None,
         )
     return _unpack(g_cum, B, T), _unpack(A, B, T), _unpack(o, B, T), h, _state_out(final_state, state_v_first)
 

@@ -11,9 +11,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, seqlens):
-        """seqlens: the sequence lengths when the planner may keep checkpoints, else None."""
+        """seqlens: the sequence lengths for the planner (flash_qla.dispatch._forward), or None."""
         g_cum, A, o, _, final_state, checkpoints = _forward(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, False, seqlens
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, False, seqlens, True
         )
         ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints)
         ctx.scale = scale

@@ -23,10 +23,11 @@ def _check_kernel_inputs(q, v):
 
 
 def _forward(
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, training_seqlens=None
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens=None, training=False
 ):
-    """Core forward; g is the raw gate. training_seqlens: when a backward will follow, the
-    sequence lengths, by which the planner keeps state checkpoints for it where they pay.
+    """Core forward; g is the raw gate. seqlens: the sequence lengths (a tuple, as validation read
+    them) for the planner, which may then walk a long sequence in pieces and, when training (a
+    backward will follow), keep state checkpoints for it where they pay; None plans nothing.
 
     Returns
     -------
@@ -36,14 +37,14 @@ def _forward(
     h : [NT, Hv, K, V] float32, state at the start of each chunk; None unless output_h.
     final_state : [N, Hv, K, V] float32; None unless output_final_state.
     checkpoints : for _backward (flash_qla.ops.forward.keeps_checkpoints), or None: always
-        None without training_seqlens, and on the PyTorch path.
+        None unless training with seqlens, and on the PyTorch path.
     """
     if q.is_cuda:
         from flash_qla.ops.forward import forward_kernels
 
         _check_kernel_inputs(q, v)
         return forward_kernels(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, training_seqlens
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, training
         )
     outputs = chunk_gated_delta_rule_fwd_ref(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h

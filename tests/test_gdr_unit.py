@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import flash_qla
 from flash_qla.reference.chunked import chunk_gated_delta_rule_fwd_ref
 from flash_qla.reference.inputs import make_inputs
-from gpu_cases import CASES, case_inputs, rel_l2
+from gpu_cases import CASES, Case, case_inputs, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -77,6 +77,68 @@ def test_low_level_forward_intermediates(case, poisoned):
         assert got.shape == want.shape, name
         assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) elements"
         assert rel_l2(got, want) <= tol, (name, rel_l2(got, want))
+
+
+# The composition of the maps: three bf16 products keep ~16 bits of each operand (1.5e-5), summed
+# over 128 terms a product and a few pieces.
+COMPOSE_TOL = 1e-4
+SPLIT_CASES = [  # single sequences the planner would leave whole: the split is forced
+    Case("split_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True),  # 5 pieces, the last partial
+    Case("split_one_piece_and_a_bit", (2049,), heads=(4, 16)),  # 33 chunks: a piece of one chunk
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
+def test_split_forward_matches_whole_walk(case, poisoned, monkeypatch):
+    """The forward walked in pieces from their composed start states (flash_qla.ops.context_parallel)
+    gives o, h and the final state of the walk over the whole sequence, up to rounding."""
+    from flash_qla.ops import forward as forward_module
+
+    x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
+    split_walk, splits = forward_module.split_walk, []
+
+    def spy(*args):
+        splits.append(args)
+        return split_walk(*args)
+
+    monkeypatch.setattr(forward_module, "split_walk", spy)
+    out = {}
+    for split in (True, False):
+        monkeypatch.setattr(forward_module, "splits_forward", lambda *args, split=split: split)
+        out[split] = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu, output_h=True)[2:]
+    assert len(splits) == 1, "the forward split exactly when the planner said so"
+    ref = chunk_gated_delta_rule_fwd_ref(
+        *(x[n].float() for n in ("q", "k", "v", "g", "beta")), None, h0, cu, True, True
+    )
+    for name, got, whole, want in zip(("o", "h", "final_state"), out[True], out[False], ref[2:]):
+        # both round S to the input dtype every chunk, at different points: each within FWD_TOL
+        # of the reference, so within twice that of each other (2.2e-4 measured at 2/8 1x32768)
+        assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) elements"
+        assert rel_l2(got, want) <= FWD_TOL, (name, rel_l2(got, want))
+        assert rel_l2(got, whole) <= 2 * FWD_TOL, (name, rel_l2(got, whole))
+
+
+@pytest.mark.parametrize("has_s0", [False, True])
+@pytest.mark.parametrize("decay", [0.9, 1e-3], ids=["keeps", "forgets"])
+def test_compose_maps_gives_every_start_state(has_s0, decay):
+    """S_0 = s0, S_{j+1} = M_j S_j + b_j, against a float64 loop; maps that forget the state
+    (M ≈ 0) included, where one bf16 product would leave the rounding of S behind."""
+    from flash_qla.arch import get_profile
+    from flash_qla.ops.buffers import placeholder
+    from flash_qla.ops.compose_maps import compose_maps_kernel
+
+    n, Hv, K = 17, 8, 128
+    gen = torch.Generator().manual_seed(3)
+    M = (decay * torch.eye(K) + torch.randn(n, Hv, K, K, generator=gen) * (0.1 * decay / K**0.5)).cuda()
+    b = torch.randn(n, Hv, K, K, generator=gen).cuda()
+    s0 = torch.randn(1, Hv, K, K, generator=gen).cuda() if has_s0 else None
+    starts = torch.full((n, Hv, K, K), float("nan"), device="cuda")
+    kernel = compose_maps_kernel(Hv, K, K, get_profile(M.device), has_s0)
+    kernel(M, b, s0 if has_s0 else placeholder(M.device, Hv, K, K), starts)
+    S = s0[0].double() if has_s0 else torch.zeros(Hv, K, K, dtype=torch.float64, device="cuda")
+    for j in range(n):
+        assert rel_l2(starts[j], S.float()) <= COMPOSE_TOL, (j, rel_l2(starts[j], S.float()))
+        S = M[j].double() @ S + b[j].double()
 
 
 def test_kkt_gates_are_the_gate_exponentials():

@@ -16,6 +16,7 @@ import pytest
 from flash_qla.arch import SM90
 from flash_qla.ops.backward import backward_kernel_builds
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
+from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.forward import BLOCK_V_CHOICES, forward_kernel_builds
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
@@ -49,6 +50,9 @@ KERNELS = [
     ("fused_fwd_wide_bv64_checkpoints", fused_fwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, False, False, False, True), ("wgmma_rs", "tma_load")),
     ("fused_bwd_wide_dht_dh0", fused_bwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_bwd_wide_fp16", fused_bwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
+    # a split walk's composition of the pieces' maps, with and without an initial state
+    ("compose_maps", compose_maps_kernel, (8, 128, 128, SM90, False), ("wgmma",)),
+    ("compose_maps_s0", compose_maps_kernel, (8, 128, 128, SM90, True), ("wgmma",)),
     # every tile by cp.async, waited for at its first use
     ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs")),
 ]
@@ -106,10 +110,14 @@ def test_chunk_grads_reductions_are_batched():
 
 def test_precompile_lists_every_forward_kernel():
     builds = forward_kernel_builds(SM90, 16, 32, "bfloat16")
-    assert {f.__name__ for f, _ in builds} == {"kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel"}
+    assert {f.__name__ for f, _ in builds} == {
+        "kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel", "compose_maps_kernel"
+    }
     # kkt_solve for β in q's dtype and in fp32; every V-tile width the launcher can choose,
-    # with and without h0 / h
-    assert len(builds) == 2 + len(BLOCK_V_CHOICES) * 2 * 2
+    # with and without h0 / h, and the states-only walk from h0 (a split walk's maps); the
+    # composition of the maps with and without an initial state
+    assert len(builds) == 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2
+    assert len(set(builds)) == len(builds)
 
 
 def test_precompile_lists_every_backward_kernel():
@@ -122,7 +130,8 @@ def test_precompile_lists_every_backward_kernel():
         "fused_bwd_wide_kernel",
         "chunk_grads_kernel",
     }
-    # kkt_solve in backward mode; for every V-tile width, with and without h0, the forward walk
-    # keeping checkpoints and the states-only one, and the backward walk with and without
-    # dht / dh0; chunk_grads
-    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * 2 * 2 + len(BLOCK_V_CHOICES) * 2 * 2 + 1
+    # kkt_solve in backward mode; for every V-tile width the states-only walk without h0 (with h0
+    # it is the forward's), the forward walk keeping checkpoints with and without h0, and the
+    # backward walk with and without dht / dh0; chunk_grads
+    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (1 + 2) + len(BLOCK_V_CHOICES) * 2 * 2 + 1
+    assert not set(builds) & set(forward_kernel_builds(SM90, 16, 32, "bfloat16"))

@@ -3,8 +3,9 @@
 Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk over the
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
-for narrower ones. A training forward may keep state checkpoints instead, for the backward's
-recompute (keeps_checkpoints, flash_qla.ops.backward).
+for narrower ones. A single long sequence over few heads walks in pieces instead
+(splits_forward, flash_qla.ops.context_parallel). A training forward may keep state
+checkpoints for the backward's recompute (keeps_checkpoints, flash_qla.ops.backward).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunks import chunk_offsets_of, chunk_table
+from flash_qla.ops.compose_maps import compose_maps_kernel
+from flash_qla.ops.context_parallel import split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
@@ -96,13 +99,47 @@ def keeps_checkpoints(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     if max(seqlens) <= every * profile.chunk:  # no piece to split off (and no per-sequence loop)
         return False
     chunks = [-(-n // profile.chunk) for n in seqlens]
-
-    def walk_time(n: int, length: int) -> float:
-        steps = (chunk_step_time(n, Hv, V, bv, profile, RECOMPUTE_CHUNK_COST) for bv in BLOCK_V_CHOICES)
-        return length * min(steps)
-
     pieces = sum(-(-c // every) for c in chunks)
-    return walk_time(pieces, every) <= CHECKPOINT_GAIN * walk_time(len(chunks), max(chunks))
+    recompute = RECOMPUTE_CHUNK_COST
+    return walk_time(pieces, every, Hv, V, profile, recompute) <= CHECKPOINT_GAIN * walk_time(
+        len(chunks), max(chunks), Hv, V, profile, recompute
+    )
+
+
+def walk_time(n_seqs: int, chunks: int, Hv: int, V: int, profile: ArchProfile, cost) -> float:
+    """Time of a walk over n_seqs sequences of `chunks` chunks at its best V-tile width, in the
+    units of the cost table."""
+    return chunks * min(chunk_step_time(n_seqs, Hv, V, bv, profile, cost) for bv in BLOCK_V_CHOICES)
+
+
+# The forward splits a sequence when its three walks over pieces (the two maps of
+# flash_qla.ops.context_parallel, then o) and the fixed work around them are estimated at most this
+# fraction of the walk over the whole sequence (the rest of the time the model leaves out, as for
+# CHECKPOINT_GAIN). The fixed work, in the cost tables' units (one unit ~1.76 µs on the H200: the
+# BV = 16 walk's 0.58 a chunk took 1.02 µs): the zero V and the identity and zero start states the
+# maps' walks read, and the composition of the maps, ~0.09 ms. H200 (benchmark/NOTES.md v12), 2/8
+# 1x32768: the three walks 0.297 ms, the forward 0.596 -> 0.466 ms with the fixed work (estimated
+# 0.64 of the whole walk); 4/16 1x32768: the walks alone 0.579 against the whole walk's 0.528
+# (estimated 1.1: not split).
+SPLIT_GAIN = 0.75
+SPLIT_OVERHEAD = 50
+
+
+def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
+    """Whether the forward walks a single sequence in pieces of profile.checkpoint_chunks chunks
+    (flash_qla.ops.context_parallel, the exact route of DESIGN.md §1).
+
+    Pays where the sequence is long and Hv · V / BV chains leave SMs idle (2/8 at 32768 tokens);
+    several sequences are left whole (the composition of the maps is per sequence; not built).
+    """
+    every = profile.checkpoint_chunks
+    if len(seqlens) != 1 or seqlens[0] <= every * profile.chunk:
+        return False
+    chunks = -(-seqlens[0] // profile.chunk)
+    pieces = -(-chunks // every)
+    maps = 2 * walk_time(pieces, every, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+    split = maps + walk_time(pieces, every, Hv, V, profile, CHUNK_COST) + SPLIT_OVERHEAD
+    return split <= SPLIT_GAIN * walk_time(1, chunks, Hv, V, profile, CHUNK_COST)
 
 
 def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
@@ -137,7 +174,7 @@ def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
 
 
 def forward_kernels(
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, training_seqlens
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, training
 ):
     """The GPU forward; arguments and returns as flash_qla.dispatch._forward.
 
@@ -149,12 +186,12 @@ def forward_kernels(
     """
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
         return _forward_kernels(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, training_seqlens
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, training
         )
 
 
 def _forward_kernels(
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, training_seqlens
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, training
 ):
     device = q.device
     profile = get_profile(device)
@@ -179,28 +216,45 @@ def _forward_kernels(
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, DTYPE_NAMES.get(beta.dtype, "float32"))
     executable(kkt)(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, slots)
 
-    placeholder = buffers.placeholder(device, Hv, K, V)
-    o = buffers.new(v.shape, v.dtype, device)
-    final_state = buffers.new((N, Hv, K, V), torch.float32, device)
     h = None
     if output_h:
         h = buffers.new((int(chunk_offsets[-1]), Hv, K, V), torch.float32, device)
-    checkpoints = None
-    if training_seqlens is not None and keeps_checkpoints(training_seqlens, Hv, V, profile):
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    split = seqlens is not None and splits_forward(seqlens, Hv, V, profile)
+    checkpoints = None  # kept for a backward where they pay, and always when the walk split: free then
+    if training and seqlens is not None and (split or keeps_checkpoints(seqlens, Hv, V, profile)):
         checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), torch.float32, device)
-        starts = checkpoints[checkpoints.shape[0] - N:]
-        if initial_state is not None:
-            starts.copy_(initial_state)
-        else:
-            starts.zero_()
-    h0 = initial_state.contiguous() if initial_state is not None else placeholder
-    BV = choose_block_v(N, Hv, V, profile)
-    fused = walk_kernel(BV)(
-        Hqk, Hv, K, V, BV, dtype, profile, initial_state is not None, output_h, False, checkpoints is not None
-    )
-    gate = walk_gate(BV, gamma, gates)
-    states = h if output_h else checkpoints if checkpoints is not None else placeholder
-    executable(fused)(q, k, v, gate, A, P, cu_seqlens, chunk_offsets, h0, o, final_state, states, scale)
+
+    if split:  # pieces: the start states are the checkpoints
+        pieces = checkpoint_pieces_expected(N, T, profile)
+        BV = choose_block_v(pieces, Hv, V, profile)
+        BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+        walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, output_h)
+        maps = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, True, True, True)
+        o, final_state, (starts, rows) = split_walk(
+            executable(walk), walk_gate(BV, gamma, gates), executable(maps), walk_gate(BV_maps, gamma, gates),
+            q, k, v, A, P, cu_seqlens, slots, scale, h0, h, profile,
+        )  # fmt: skip
+        if checkpoints is not None:
+            checkpoints.index_copy_(0, rows[:pieces], starts[:pieces])
+    else:
+        if checkpoints is not None:  # the rows of the sequences' initial states
+            first_rows = checkpoints[checkpoints.shape[0] - N:]
+            if h0 is not None:
+                first_rows.copy_(h0)
+            else:
+                first_rows.zero_()
+        placeholder = buffers.placeholder(device, Hv, K, V)
+        o = buffers.new(v.shape, v.dtype, device)
+        final_state = buffers.new((N, Hv, K, V), torch.float32, device)
+        BV = choose_block_v(N, Hv, V, profile)
+        keeps = checkpoints is not None
+        fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, h0 is not None, output_h, False, keeps)
+        states = h if output_h else checkpoints if keeps else placeholder
+        executable(fused)(
+            q, k, v, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
+            placeholder if h0 is None else h0, o, final_state, states, scale,
+        )  # fmt: skip
     return (
         g_cum[None],
         A[None],
@@ -218,4 +272,8 @@ def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K
         for has_h0 in (False, True):
             for store_h in (False, True):
                 builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, store_h)))
+        # the pieces' maps of a split walk (flash_qla.ops.context_parallel): the states-only walk
+        # from given start states, which the backward's recompute over pieces runs too
+        builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, True, True, True)))
+    builds += [(compose_maps_kernel, (Hv, K, V, profile, has_s0)) for has_s0 in (False, True)]
     return builds

@@ -1,0 +1,77 @@
+"""The start state of every piece of a split sequence, from the pieces' affine maps.
+
+Computes, for consecutive pieces j of one sequence and every v-head, with M_j [K, K] and
+b_j [K, V] the maps S_end = M_j S_start + b_j (flash_qla.ops.context_parallel):
+
+    S_0 = s0 (the initial state, or 0),   S_{j+1} = S_j + D_j S_j + b_j,   D_j = M_j − I
+
+and writes every S_j. The product runs on the tensor cores in three bf16 products, D_hi S_hi +
+D_hi S_lo + D_lo S_hi (x = x_hi + x_lo, each half rounded to bf16), with an fp32 accumulator:
+about 16 bits of each operand, where one bf16 product keeps 8 and loses the state when the map
+forgets it (M ≈ 0: S + D S cancels to the rounding of S).
+
+Inputs:
+    M       [pieces, Hv, K, K] fp32
+    b       [pieces, Hv, K, V] fp32
+    s0      [1, Hv, K, V] fp32 (read when HAS_S0)
+Outputs:
+    starts  [pieces, Hv, K, V] fp32
+
+Schedule: grid (V / BV, Hv), one warpgroup per block walks the pieces in order with its
+[K, BV] slice of S in fp32 registers (the products' accumulator); each piece's D and b come
+from global memory (L2: the V-tiles of a head read the same D). A sequential walk of a few
+pieces (16 at 32768 tokens): ~30 small launches of torch matmuls took longer than the split
+saved.
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+from flash_qla.arch import ArchProfile
+
+BV = 32  # V-tile width: 4 blocks a head at V = 128
+
+
+@functools.lru_cache(maxsize=None)
+def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: bool):
+    """Compile (or load from TileLang's cache) the composition of the pieces' maps for one config."""
+    pieces = T.dynamic("pieces")
+    f32, bf16 = "float32", "bfloat16"
+
+    @T.prim_func
+    def compose_maps(
+        M: T.Tensor([pieces, Hv, K, K], f32),
+        b: T.Tensor([pieces, Hv, K, V], f32),
+        s0: T.Tensor([1, Hv, K, V], f32),
+        starts: T.Tensor([pieces, Hv, K, V], f32),
+    ):
+        with T.Kernel(V // BV, Hv, threads=profile.threads) as (iv, ih):
+            v0 = iv * BV
+            d_hi = T.alloc_shared([K, K], bf16)
+            d_lo = T.alloc_shared([K, K], bf16)
+            s_hi = T.alloc_shared([K, BV], bf16)
+            s_lo = T.alloc_shared([K, BV], bf16)
+            S = T.alloc_fragment([K, BV], f32)
+
+            if HAS_S0:
+                T.copy(s0[0, ih, :, v0:v0 + BV], S)
+            else:
+                T.clear(S)
+            for j in T.serial(pieces):
+                T.copy(S, starts[j, ih, :, v0:v0 + BV])
+                for i, c in T.Parallel(K, BV):
+                    s_hi[i, c] = S[i, c]
+                    s_lo[i, c] = S[i, c] - T.cast(T.cast(S[i, c], bf16), f32)
+                for i, kk in T.Parallel(K, K):
+                    d = M[j, ih, i, kk] - T.if_then_else(i == kk, 1.0, 0.0)
+                    d_hi[i, kk] = d
+                    d_lo[i, kk] = d - T.cast(T.cast(d, bf16), f32)
+                for i, c in T.Parallel(K, BV):
+                    S[i, c] = S[i, c] + b[j, ih, i, v0 + c]
+                T.gemm(d_hi, s_hi, S)
+                T.gemm(d_hi, s_lo, S)
+                T.gemm(d_lo, s_hi, S)
+
+    return tilelang.compile(compose_maps, target=profile.target)

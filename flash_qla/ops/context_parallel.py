@@ -1,0 +1,74 @@
+"""Context-parallel forward walk, exact route (DESIGN.md §1): one long sequence over few heads.
+
+A single sequence gives the forward walk Hv · V / BV chains of all its chunks (2/8 at 32768
+tokens: 64 chains of 512 chunks, half the SMs idle). Here the sequence is cut into pieces of
+E = profile.checkpoint_chunks chunks (flash_qla.ops.chunks.checkpoint_pieces) that walk in
+parallel. Each piece maps its start state affinely, S_end = M S_start + b, with
+
+    M = T_E ··· T_1,  T_c = e^{γ_L} I − Kᵀ diag(e^{γ_L − γ}) A diag(e^γ) K     [K, K]
+    b = the piece's end state from S_start = 0                                   [K, V]
+
+(γ, A, K of chunk c). With V = 0 the state recompute's walk (walk_kernel STATES_ONLY, the
+backward's) carries S to T_c S, and K = V, so walked from S = I it ends at M; walked from
+S = 0 with the real V it ends at b: two launches over all pieces. compose_maps composes the
+maps into every piece's start state, and the forward walk (HAS_H0) runs over the pieces from
+them, giving o (and h) of every chunk; the final state is the last piece's end state.
+
+The start states are the sequential walk's up to rounding (both walks round S to the input
+dtype as a tensor-core operand every chunk, at different points): 2/8 1x32768, o within
+3.5e-3 of the fp32 reference either way, 2.4e-4 apart. H200 (benchmark/NOTES.md v12): the
+three walks take 0.297 ms against the whole walk's 0.522; with kkt_solve, the fills (the zero
+V [T, Hv, V] and the identity and zero start states) and the composition, the forward 0.596
+-> 0.466 ms; the training step 1.66 ms against 2.24 with auto_cp off (1.81 in session 11 with
+the checkpoints alone: here the start states are the checkpoints, no checkpointing walk).
+Only single sequences split: the composition runs one sequence's pieces.
+"""
+
+import torch
+
+from flash_qla.ops import buffers
+from flash_qla.ops.chunks import checkpoint_pieces
+from flash_qla.ops.compose_maps import compose_maps_kernel
+from flash_qla.ops.launch import executable
+
+
+def split_walk(
+    walk, walk_gate, recompute, recompute_gate, q, k, v, A, P, cu_seqlens, slots, scale, initial_state, h, profile
+):
+    """o, the final state and the pieces' start states of one sequence, walked in pieces.
+
+    walk / recompute: the TileLang executables of the forward walk (HAS_H0, storing h when h is
+    given) and of the state recompute (HAS_H0, STATES_ONLY), walk_gate / recompute_gate their gate
+    inputs (flash_qla.ops.forward.walk_gate); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as
+    the forward walk takes them; cu_seqlens [2] (one sequence of T > 0 tokens); initial_state
+    [1, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None.
+
+    Returns o [T, Hv, V], final_state [1, Hv, K, V], and (starts [pieces, Hv, K, V], rows
+    [pieces]): each piece's start state and its row in a forward's checkpoint buffer
+    (flash_qla.ops.forward.checkpoint_rows), which the start states are.
+    """
+    C, E = profile.chunk, profile.checkpoint_chunks
+    T, Hv, V = v.shape
+    K = q.shape[-1]
+    assert K == V, "the transition M is walked as a state"
+    bounds, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, E)
+    n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
+    f32, device = torch.float32, v.device
+    placeholder = buffers.placeholder(device, Hv, K, V)
+    eye = torch.eye(K, dtype=f32, device=device).expand(n, Hv, K, V).contiguous()
+    zero_v = torch.zeros_like(v)
+    states = torch.empty(slots, Hv, K, V, dtype=v.dtype, device=device)  # the recompute's h: unused
+    M = torch.empty(n, Hv, K, V, dtype=f32, device=device)
+    b = torch.empty(n, Hv, K, V, dtype=f32, device=device)
+    # STATES_ONLY never touches o: v (zero_v), of o's shape and dtype, stands in
+    recompute(q, k, zero_v, recompute_gate, A, P, bounds, firsts, eye, zero_v, M, states, scale)
+    recompute(q, k, v, recompute_gate, A, P, bounds, firsts, torch.zeros_like(eye), v, b, states, scale)
+    starts = buffers.new((n, Hv, K, V), f32, device)
+    compose = compose_maps_kernel(Hv, K, V, profile, initial_state is not None)
+    executable(compose)(M, b, placeholder if initial_state is None else initial_state, starts)
+
+    o = buffers.new(v.shape, v.dtype, device)
+    ends = buffers.new((n, Hv, K, V), f32, device)
+    walk(q, k, v, walk_gate, A, P, bounds, firsts, starts, o, ends, placeholder if h is None else h, scale)
+    last = -(-T // (C * E)) - 1  # the last non-empty piece: its end is the sequence's
+    return o, ends[last:last + 1].clone(), (starts, rows)  # a copy: the other ends are not kept

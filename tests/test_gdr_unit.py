@@ -85,6 +85,7 @@ COMPOSE_TOL = 1e-4
 SPLIT_CASES = [  # single sequences the planner would leave whole: the split is forced
     Case("split_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True),  # 5 pieces, the last partial
     Case("split_one_piece_and_a_bit", (2049,), heads=(4, 16)),  # 33 chunks: a piece of one chunk
+    Case("split_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"),
 ]
 
 

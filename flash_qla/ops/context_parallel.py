@@ -33,22 +33,23 @@ from flash_qla.ops.launch import executable
 
 
 def split_walk(
-    walk, walk_gate, recompute, recompute_gate, q, k, v, A, P, cu_seqlens, slots, scale, initial_state, h, profile
+    walk, walk_gate, recompute, recompute_gate, q, k, v, A, P, cu_seqlens, slots, pieces, scale, initial_state, h,
+    profile,
 ):
     """o, the final state and the pieces' start states of one sequence, walked in pieces.
 
     walk / recompute: the TileLang executables of the forward walk (HAS_H0, storing h when h is
     given) and of the state recompute (HAS_H0, STATES_ONLY), walk_gate / recompute_gate their gate
     inputs (flash_qla.ops.forward.walk_gate); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as
-    the forward walk takes them; cu_seqlens [2] (one sequence of T > 0 tokens); initial_state
-    [1, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None.
+    the forward walk takes them; cu_seqlens [2] (one sequence of T > 0 tokens) and its number of
+    pieces; initial_state [1, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None.
 
     Returns o [T, Hv, V], final_state [1, Hv, K, V], and (starts [pieces, Hv, K, V], rows
     [pieces]): each piece's start state and its row in a forward's checkpoint buffer
     (flash_qla.ops.forward.checkpoint_rows), which the start states are.
     """
     C, E = profile.chunk, profile.checkpoint_chunks
-    T, Hv, V = v.shape
+    _, Hv, V = v.shape
     K = q.shape[-1]
     assert K == V, "the transition M is walked as a state"
     bounds, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, E)
@@ -70,5 +71,5 @@ def split_walk(
     o = buffers.new(v.shape, v.dtype, device)
     ends = buffers.new((n, Hv, K, V), f32, device)
     walk(q, k, v, walk_gate, A, P, bounds, firsts, starts, o, ends, placeholder if h is None else h, scale)
-    last = -(-T // (C * E)) - 1  # the last non-empty piece: its end is the sequence's
-    return o, ends[last:last + 1].clone(), (starts, rows)  # a copy: the other ends are not kept
+    # the last non-empty piece's end is the sequence's (a copy: the other ends are not kept)
+    return o, ends[pieces - 1:pieces].clone(), (starts, rows)

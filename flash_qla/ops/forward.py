@@ -233,7 +233,7 @@ def _forward_kernels(
         maps = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, True, True, True)
         o, final_state, (starts, rows) = split_walk(
             executable(walk), walk_gate(BV, gamma, gates), executable(maps), walk_gate(BV_maps, gamma, gates),
-            q, k, v, A, P, cu_seqlens, slots, scale, h0, h, profile,
+            q, k, v, A, P, cu_seqlens, slots, pieces, scale, h0, h, profile,
         )  # fmt: skip
         if checkpoints is not None:
             checkpoints.index_copy_(0, rows[:pieces], starts[:pieces])

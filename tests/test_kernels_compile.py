@@ -50,6 +50,10 @@ KERNELS = [
     ("fused_fwd_wide_bv64_checkpoints", fused_fwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, False, False, False, True), ("wgmma_rs", "tma_load")),
     ("fused_bwd_wide_dht_dh0", fused_bwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_bwd_wide_fp16", fused_bwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
+    # a split walk's pieces: M from I with V = 0 (MAPS), b from 0; no o, no h
+    ("fused_fwd_maps", fused_fwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, False, True, False, True), ("wgmma", "tma_load")),
+    ("fused_fwd_wide_maps", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True, False, True), ("wgmma_rs", "tma_load")),
+    ("fused_fwd_wide_offsets", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True), ("wgmma_rs", "tma_load")),
     # a split walk's composition of the pieces' maps, with and without an initial state
     ("compose_maps", compose_maps_kernel, (8, 128, 128, SM90, False), ("wgmma",)),
     ("compose_maps_s0", compose_maps_kernel, (8, 128, 128, SM90, True), ("wgmma",)),
@@ -63,6 +67,24 @@ def test_kernel_compiles_for_sm90(name, factory, args, instructions):
     source = factory(*args).get_kernel_source()
     for instruction in instructions:
         assert instruction in source, f"{name}: generated source has no {instruction}"
+
+
+def stores_h(source: str) -> bool:
+    """Whether a walk's generated source writes h (fused_fwd by TMA, fused_fwd_wide element-wise)."""
+    return "h_desc" in source or re.search(r"\bh\[", source) is not None
+
+
+@pytest.mark.parametrize("factory,BV", [(fused_fwd_kernel, 32), (fused_fwd_wide_kernel, 128)])
+def test_maps_walks_read_only_what_they_need(factory, BV):
+    """The split walk's two map walks store no h; M's (MAPS) reads neither V nor h0: its identity
+    start and zero V are the kernel's own. The backward's recompute (STORE_H) still stores h."""
+    recompute = factory(2, 8, 128, 128, BV, "bfloat16", SM90, True, True, True).get_kernel_source()
+    offsets = factory(2, 8, 128, 128, BV, "bfloat16", SM90, False, False, True).get_kernel_source()
+    maps = factory(2, 8, 128, 128, BV, "bfloat16", SM90, False, False, True, False, True).get_kernel_source()
+    assert stores_h(recompute) and not stores_h(offsets) and not stores_h(maps)
+    assert "v_desc" in offsets and "v_desc" not in maps
+    reads_h0 = re.compile(r"\bh0\s*[\[+]")
+    assert reads_h0.search(recompute) and not reads_h0.search(maps)
 
 
 @pytest.mark.parametrize("states_only", [False, True])
@@ -114,9 +136,9 @@ def test_precompile_lists_every_forward_kernel():
         "kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel", "compose_maps_kernel"
     }
     # kkt_solve for β in q's dtype and in fp32; every V-tile width the launcher can choose,
-    # with and without h0 / h, and the states-only walk from h0 (a split walk's maps); the
+    # with and without h0 / h, and the two walks of a split walk's maps (M and b); the
     # composition of the maps with and without an initial state
-    assert len(builds) == 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2
+    assert len(builds) == 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2) + 2
     assert len(set(builds)) == len(builds)
 
 
@@ -130,8 +152,8 @@ def test_precompile_lists_every_backward_kernel():
         "fused_bwd_wide_kernel",
         "chunk_grads_kernel",
     }
-    # kkt_solve in backward mode; for every V-tile width the states-only walk without h0 (with h0
-    # it is the forward's), the forward walk keeping checkpoints with and without h0, and the
-    # backward walk with and without dht / dh0; chunk_grads
-    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (1 + 2) + len(BLOCK_V_CHOICES) * 2 * 2 + 1
+    # kkt_solve in backward mode; for every V-tile width the states-only walk with and without h0
+    # (from the checkpoints or the sequences' starts), the forward walk keeping checkpoints with
+    # and without h0, and the backward walk with and without dht / dh0; chunk_grads
+    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * 2 * 2 + 1
     assert not set(builds) & set(forward_kernel_builds(SM90, 16, 32, "bfloat16"))

@@ -139,9 +139,10 @@ def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, 
     """Every (factory, args) training compiles for one head layout, beyond the inference forward's."""
     builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, "float32", True))]
     for bv in BLOCK_V_CHOICES:
-        # the states-only recompute over whole sequences (from given start states: a forward build,
-        # flash_qla.ops.forward.forward_kernel_builds), and the forward walk keeping checkpoints
-        builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, True, True)))
+        # the states-only recompute, over whole sequences or from the checkpoints, and the forward
+        # walk keeping checkpoints
+        for has_h0 in (False, True):
+            builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, True, True)))
         for has_h0 in (False, True):
             builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, False, False, True)))
     for bv in BLOCK_V_CHOICES:

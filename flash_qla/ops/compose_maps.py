@@ -8,20 +8,25 @@ b_j [K, V] the maps S_end = M_j S_start + b_j (flash_qla.ops.context_parallel):
 and writes every S_j. The product runs on the tensor cores in three bf16 products, D_hi S_hi +
 D_hi S_lo + D_lo S_hi (x = x_hi + x_lo, each half rounded to bf16), with an fp32 accumulator:
 about 16 bits of each operand, where one bf16 product keeps 8 and loses the state when the map
-forgets it (M ≈ 0: S + D S cancels to the rounding of S).
+forgets it (M ≈ 0: S + D S cancels to the rounding of S). D_hi and D_lo arrive as they are
+multiplied: the walk that forms M writes them (walk_kernel's MAPS variant), all pieces in
+parallel, so the sequential part here converts only S.
 
 Inputs:
-    M       [pieces, Hv, K, K] fp32
+    D       [pieces, Hv, K, 2 K] bf16: D_j = M_j − I, D_hi in columns [0, K), D_lo in [K, 2 K)
     b       [pieces, Hv, K, V] fp32
     s0      [1, Hv, K, V] fp32 (read when HAS_S0)
 Outputs:
     starts  [pieces, Hv, K, V] fp32
 
-Schedule: grid (V / BV, Hv), one warpgroup per block walks the pieces in order with its
-[K, BV] slice of S in fp32 registers (the products' accumulator); each piece's D and b come
-from global memory (L2: the V-tiles of a head read the same D). A sequential walk of a few
-pieces (16 at 32768 tokens): ~30 small launches of torch matmuls took longer than the split
-saved.
+Schedule: grid (V / BV, Hv), a block walks the pieces in order with its [K, BV] slice of S
+in fp32 registers (the products' accumulator). T.Pipelined streams each piece's D halves and
+b slice through a two-stage TMA ring (TileLang's warp specialization: a producer warpgroup,
+one consumer warpgroup), so the next piece's 72 KB arrive under this piece's products (the
+V-tiles of a head read the same D, from L2). Sequential walk of the pieces (16 at 32768
+tokens): ~30 small launches of torch matmuls took longer than the split saved; this kernel
+with D converted here from fp32 M, each piece's loads waited for, took 80 µs at 2/8 1x32768
+(benchmark/NOTES.md v13).
 """
 
 import functools
@@ -42,7 +47,7 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
 
     @T.prim_func
     def compose_maps(
-        M: T.Tensor([pieces, Hv, K, K], f32),
+        D: T.Tensor([pieces, Hv, K, 2 * K], bf16),
         b: T.Tensor([pieces, Hv, K, V], f32),
         s0: T.Tensor([1, Hv, K, V], f32),
         starts: T.Tensor([pieces, Hv, K, V], f32),
@@ -51,6 +56,7 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
             v0 = iv * BV
             d_hi = T.alloc_shared([K, K], bf16)
             d_lo = T.alloc_shared([K, K], bf16)
+            b_s = T.alloc_shared([K, BV], f32)
             s_hi = T.alloc_shared([K, BV], bf16)
             s_lo = T.alloc_shared([K, BV], bf16)
             S = T.alloc_fragment([K, BV], f32)
@@ -59,17 +65,16 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
                 T.copy(s0[0, ih, :, v0:v0 + BV], S)
             else:
                 T.clear(S)
-            for j in T.serial(pieces):
+            for j in T.Pipelined(pieces, num_stages=2):
+                T.copy(D[j, ih, :, 0:K], d_hi)
+                T.copy(D[j, ih, :, K:2 * K], d_lo)
+                T.copy(b[j, ih, :, v0:v0 + BV], b_s)
                 T.copy(S, starts[j, ih, :, v0:v0 + BV])
                 for i, c in T.Parallel(K, BV):
                     s_hi[i, c] = S[i, c]
                     s_lo[i, c] = S[i, c] - T.cast(T.cast(S[i, c], bf16), f32)
-                for i, kk in T.Parallel(K, K):
-                    d = M[j, ih, i, kk] - T.if_then_else(i == kk, 1.0, 0.0)
-                    d_hi[i, kk] = d
-                    d_lo[i, kk] = d - T.cast(T.cast(d, bf16), f32)
                 for i, c in T.Parallel(K, BV):
-                    S[i, c] = S[i, c] + b[j, ih, i, v0 + c]
+                    S[i, c] = S[i, c] + b_s[i, c]
                 T.gemm(d_hi, s_hi, S)
                 T.gemm(d_hi, s_lo, S)
                 T.gemm(d_lo, s_hi, S)

@@ -8,20 +8,24 @@ parallel. Each piece maps its start state affinely, S_end = M S_start + b, with
     M = T_E ··· T_1,  T_c = e^{γ_L} I − Kᵀ diag(e^{γ_L − γ}) A diag(e^γ) K     [K, K]
     b = the piece's end state from S_start = 0                                   [K, V]
 
-(γ, A, K of chunk c). With V = 0 the state recompute's walk (walk_kernel STATES_ONLY, the
-backward's) carries S to T_c S, and K = V, so walked from S = I it ends at M; walked from
-S = 0 with the real V it ends at b: two launches over all pieces. compose_maps composes the
-maps into every piece's start state, and the forward walk (HAS_H0) runs over the pieces from
-them, giving o (and h) of every chunk; the final state is the last piece's end state.
+(γ, A, K of chunk c). With V = 0 the walk without o (walk_kernel STATES_ONLY) carries S to
+T_c S, and K = V, so walked from S = I it ends at M (the MAPS variant: the identity start and
+the zero V are the kernel's, nothing is read for them, and it writes D = M − I as the two bf16
+halves compose_maps multiplies with); walked from S = 0 with the real V it ends at b: two
+launches over all pieces, which keep only the end states. compose_maps
+composes the maps into every piece's start state, and the forward walk (HAS_H0) runs over
+the pieces from them, giving o (and h) of every chunk; the final state is the last piece's
+end state.
 
 The start states are the sequential walk's up to rounding (both walks round S to the input
 dtype as a tensor-core operand every chunk, at different points): 2/8 1x32768, o within
-3.5e-3 of the fp32 reference either way, 2.4e-4 apart. H200 (benchmark/NOTES.md v12): the
-three walks take 0.297 ms against the whole walk's 0.522; with kkt_solve, the fills (the zero
-V [T, Hv, V] and the identity and zero start states) and the composition, the forward 0.596
--> 0.466 ms; the training step 1.66 ms against 2.24 with auto_cp off (1.81 in session 11 with
-the checkpoints alone: here the start states are the checkpoints, no checkpointing walk).
-Only single sequences split: the composition runs one sequence's pieces.
+3.4e-3 of the fp32 reference either way, 2.4e-4 apart; 4/16 1x32768 3.43e-3 either way.
+H200 (benchmark/NOTES.md v12-v13), 2/8 1x32768: the forward 0.599 ms whole, 0.466 split with
+the maps from the backward's recompute (a zero V and identity start states as tensors, every
+chunk's state stored), 0.328 with the MAPS walks, 0.288 with compose_maps reading D ready-made
+(the walks over pieces 45 µs each, the composition 36); the training step 1.53 ms against 2.24
+with auto_cp off (here the start states are the checkpoints: no checkpointing walk). Only
+single sequences split: the composition runs one sequence's pieces.
 """
 
 import torch
@@ -33,14 +37,15 @@ from flash_qla.ops.launch import executable
 
 
 def split_walk(
-    walk, walk_gate, recompute, recompute_gate, q, k, v, A, P, cu_seqlens, slots, pieces, scale, initial_state, h,
+    walk, walk_gate, maps, offsets, maps_gate, q, k, v, A, P, cu_seqlens, slots, pieces, scale, initial_state, h,
     profile,
 ):
     """o, the final state and the pieces' start states of one sequence, walked in pieces.
 
-    walk / recompute: the TileLang executables of the forward walk (HAS_H0, storing h when h is
-    given) and of the state recompute (HAS_H0, STATES_ONLY), walk_gate / recompute_gate their gate
-    inputs (flash_qla.ops.forward.walk_gate); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as
+    walk / maps / offsets: the TileLang executables of the forward walk (HAS_H0, storing h when h
+    is given) and of the walks giving M (MAPS) and b (STATES_ONLY, from S = 0, no h), walk_gate /
+    maps_gate their gate inputs (flash_qla.ops.forward.walk_gate; maps and offsets run one
+    width); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as
     the forward walk takes them; cu_seqlens [2] (one sequence of T > 0 tokens) and its number of
     pieces; initial_state [1, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None.
 
@@ -56,17 +61,15 @@ def split_walk(
     n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
     f32, device = torch.float32, v.device
     placeholder = buffers.placeholder(device, Hv, K, V)
-    eye = torch.eye(K, dtype=f32, device=device).expand(n, Hv, K, V).contiguous()
-    zero_v = torch.zeros_like(v)
-    states = torch.empty(slots, Hv, K, V, dtype=v.dtype, device=device)  # the recompute's h: unused
-    M = torch.empty(n, Hv, K, V, dtype=f32, device=device)
-    b = torch.empty(n, Hv, K, V, dtype=f32, device=device)
-    # STATES_ONLY never touches o: v (zero_v), of o's shape and dtype, stands in
-    recompute(q, k, zero_v, recompute_gate, A, P, bounds, firsts, eye, zero_v, M, states, scale)
-    recompute(q, k, v, recompute_gate, A, P, bounds, firsts, torch.zeros_like(eye), v, b, states, scale)
+    D = buffers.new((n, Hv, K, 2 * K), torch.bfloat16, device)  # M − I, as compose_maps reads it
+    b = buffers.new((n, Hv, K, V), f32, device)
+    # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
+    # placeholder stand in (and MAPS reads neither v nor h0)
+    maps(q, k, v, maps_gate, A, P, bounds, firsts, placeholder, v, D, placeholder, scale)
+    offsets(q, k, v, maps_gate, A, P, bounds, firsts, placeholder, v, b, placeholder, scale)
     starts = buffers.new((n, Hv, K, V), f32, device)
     compose = compose_maps_kernel(Hv, K, V, profile, initial_state is not None)
-    executable(compose)(M, b, placeholder if initial_state is None else initial_state, starts)
+    executable(compose)(D, b, placeholder if initial_state is None else initial_state, starts)
 
     o = buffers.new(v.shape, v.dtype, device)
     ends = buffers.new((n, Hv, K, V), f32, device)

@@ -112,25 +112,29 @@ def walk_time(n_seqs: int, chunks: int, Hv: int, V: int, profile: ArchProfile, c
     return chunks * min(chunk_step_time(n_seqs, Hv, V, bv, profile, cost) for bv in BLOCK_V_CHOICES)
 
 
-# The forward splits a sequence when its three walks over pieces (the two maps of
-# flash_qla.ops.context_parallel, then o) and the fixed work around them are estimated at most this
-# fraction of the walk over the whole sequence (the rest of the time the model leaves out, as for
-# CHECKPOINT_GAIN). The fixed work, in the cost tables' units (one unit ~1.76 µs on the H200: the
-# BV = 16 walk's 0.58 a chunk took 1.02 µs): the zero V and the identity and zero start states the
-# maps' walks read, and the composition of the maps, ~0.09 ms. H200 (benchmark/NOTES.md v12), 2/8
-# 1x32768: the three walks 0.297 ms, the forward 0.596 -> 0.466 ms with the fixed work (estimated
-# 0.64 of the whole walk); 4/16 1x32768: the walks alone 0.579 against the whole walk's 0.528
-# (estimated 1.1: not split).
-SPLIT_GAIN = 0.75
-SPLIT_OVERHEAD = 50
+# The forward splits a sequence when the split, estimated from the cost tables, is at most
+# SPLIT_GAIN of the walk over the whole sequence (the margin covers the model's error). The split
+# is the three walks over pieces (the maps M and b of flash_qla.ops.context_parallel, then o),
+# the composition (sequential over the pieces) and fixed work (the launches, the final state's
+# copy). Fitted to seven single sequences on the H200 (2/8, 4/16, 16/32 at 8192-65536 tokens,
+# benchmark/NOTES.md v13 step 3), within 10 % of each, in the tables' units (~1.76 µs): the walks
+# over pieces take PIECE_WALKS of walk_time's estimate (they keep no h, and the tables were
+# measured on whole sequences), the composition COMPOSE_PIECE a piece (~2.1 µs), the fixed work
+# SPLIT_FIXED. Measured split / whole (the walks' part, kkt_solve aside): 2/8 1x32768 0.213 /
+# 0.524 ms, 4/16 1x32768 0.366 / 0.532, 2/8 1x8192 0.117 / 0.132, 16/32 1x32768 0.675 / 0.638.
+SPLIT_GAIN = 0.8
+PIECE_WALKS = 0.62
+COMPOSE_PIECE = 1.2
+SPLIT_FIXED = 15
 
 
 def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     """Whether the forward walks a single sequence in pieces of profile.checkpoint_chunks chunks
     (flash_qla.ops.context_parallel, the exact route of DESIGN.md §1).
 
-    Pays where the sequence is long and Hv · V / BV chains leave SMs idle (2/8 at 32768 tokens);
-    several sequences are left whole (the composition of the maps is per sequence; not built).
+    Pays where the sequence is long and Hv · V / BV chains leave SMs idle (2/8 or 4/16 at 16384
+    tokens and more); several sequences are left whole (the composition of the maps is per
+    sequence; not built).
     """
     every = profile.checkpoint_chunks
     if len(seqlens) != 1 or seqlens[0] <= every * profile.chunk:
@@ -138,7 +142,8 @@ def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     chunks = -(-seqlens[0] // profile.chunk)
     pieces = -(-chunks // every)
     maps = 2 * walk_time(pieces, every, Hv, V, profile, RECOMPUTE_CHUNK_COST)
-    split = maps + walk_time(pieces, every, Hv, V, profile, CHUNK_COST) + SPLIT_OVERHEAD
+    walks = PIECE_WALKS * (maps + walk_time(pieces, every, Hv, V, profile, CHUNK_COST))
+    split = walks + COMPOSE_PIECE * pieces + SPLIT_FIXED
     return split <= SPLIT_GAIN * walk_time(1, chunks, Hv, V, profile, CHUNK_COST)
 
 
@@ -230,10 +235,12 @@ def _forward_kernels(
         BV = choose_block_v(pieces, Hv, V, profile)
         BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
         walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, output_h)
-        maps = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, True, True, True)
+        # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY)
+        maps = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
+        offsets = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True)
         o, final_state, (starts, rows) = split_walk(
-            executable(walk), walk_gate(BV, gamma, gates), executable(maps), walk_gate(BV_maps, gamma, gates),
-            q, k, v, A, P, cu_seqlens, slots, pieces, scale, h0, h, profile,
+            executable(walk), walk_gate(BV, gamma, gates), executable(maps), executable(offsets),
+            walk_gate(BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, pieces, scale, h0, h, profile,
         )  # fmt: skip
         if checkpoints is not None:
             checkpoints.index_copy_(0, rows[:pieces], starts[:pieces])
@@ -272,8 +279,8 @@ def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K
         for has_h0 in (False, True):
             for store_h in (False, True):
                 builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, store_h)))
-        # the pieces' maps of a split walk (flash_qla.ops.context_parallel): the states-only walk
-        # from given start states, which the backward's recompute over pieces runs too
-        builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, True, True, True)))
+        # the pieces' maps M and offsets b of a split walk (flash_qla.ops.context_parallel)
+        builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, False, True, False, True)))
+        builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, False, True)))
     builds += [(compose_maps_kernel, (Hv, K, V, profile, has_s0)) for has_s0 in (False, True)]
     return builds

@@ -87,20 +87,26 @@ def fused_fwd_kernel(
     STORE_H: bool,
     STATES_ONLY: bool = False,
     CHECKPOINT: bool = False,
+    MAPS: bool = False,
 ):
     """Compile (or load from TileLang's cache) the fused forward for one static config.
 
-    STATES_ONLY is the backward's recompute: the walk stores h (in the input dtype, the
-    precision its consumers read it in) and the final state, and skips o (no q or P loads,
-    no Q S or P v_new products).
+    STATES_ONLY skips o (no q or P loads, no Q S or P v_new products): with STORE_H it is the
+    backward's recompute, which stores h in the input dtype (the precision its consumers read
+    it in) and the final state; without, only the final state is written (a piece's offset b
+    in flash_qla.ops.context_parallel).
     CHECKPOINT (training forwards): h holds only the checkpoints, the states at the global
     chunks j = m · profile.checkpoint_chunks inside a sequence (not at its first chunk), in
     row m, fp32; the backward restarts its state recompute from them (flash_qla.ops.backward).
+    MAPS (with STATES_ONLY, no h0, no h): a piece's transition M (flash_qla.ops.context_parallel):
+    the walk starts from the identity and takes V as 0 (v is not read); ht [N, Hv, K, 2 V]
+    bf16 gets D = M − I as compose_maps reads it, rounded to bf16 (hi) beside the rest (lo).
     """
-    assert STORE_H or not STATES_ONLY, "STATES_ONLY stores h"
     assert not (CHECKPOINT and STORE_H), "h holds either every state or the checkpoints"
+    assert not MAPS or (STATES_ONLY and not (HAS_H0 or STORE_H or CHECKPOINT)), "MAPS walks from I, keeps the end"
     E = profile.checkpoint_chunks
-    h_dtype = dtype if STATES_ONLY else "float32"
+    h_dtype = dtype if STATES_ONLY and STORE_H else "float32"
+    ht_dtype, ht_cols = ("bfloat16", 2 * V) if MAPS else ("float32", V)
     C = profile.chunk
     GROUPS = Hv // Hqk
     NV = V // BV
@@ -135,7 +141,7 @@ def fused_fwd_kernel(
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         h0: T.Tensor([n_h0, Hv, K, V], accum),
         o: T.Tensor([tokens, Hv, V], dtype),
-        ht: T.Tensor([n_seqs, Hv, K, V], accum),
+        ht: T.Tensor([n_seqs, Hv, K, ht_cols], ht_dtype),
         h: T.Tensor([n_chunks, Hv, K, V], h_dtype),
         scale: T.float32,
     ):
@@ -171,6 +177,9 @@ def fused_fwd_kernel(
 
             if HAS_H0:
                 T.copy(h0[n, ih, :, v0:v0 + BV], S)
+            elif MAPS:  # this tile's columns of I
+                for d, j in T.Parallel(K, BV):
+                    S[d, j] = T.if_then_else(d == v0 + j, 1.0, 0.0)
             else:
                 T.clear(S)
             if not STATES_ONLY:
@@ -183,7 +192,8 @@ def fused_fwd_kernel(
                     T.copy(q[t0:t0 + C, ihk, :], q_s)
                     T.copy(P[t0:t0 + C, ih, :], p_s)
                 T.copy(k[t0:t0 + C, ihk, :], k_s)
-                T.copy(v[t0:t0 + C, ih, v0:v0 + BV], v_s)
+                if not MAPS:
+                    T.copy(v[t0:t0 + C, ih, v0:v0 + BV], v_s)
                 T.copy(A[t0:t0 + C, ih, :], a_s)
                 T.copy(gamma[ih, first_chunk + c, :], gam_s)
 
@@ -193,7 +203,7 @@ def fused_fwd_kernel(
                     if c > 0 and (first_chunk + c) % E == 0:
                         T.copy(S, h[(first_chunk + c) // E, ih, :, v0:v0 + BV])
                 T.copy(S, s_s)
-                if STATES_ONLY:
+                if STATES_ONLY and STORE_H:
                     T.copy(s_s, h[first_chunk + c, ih, :, v0:v0 + BV])
                 # S becomes the accumulator of the update: e^{γ_L} S, Kᵀ diag(e^{γ_L − γ}) v_new
                 # added below (before the products are issued: S was last written by a product,
@@ -214,13 +224,18 @@ def fused_fwd_kernel(
                     for i in T.Parallel(C):
                         eg[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
                         ed[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
-                    T.copy(v_s, VF)
+                    if not MAPS:
+                        T.copy(v_s, VF)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(W, num_regs=TILE_REGS)
                     if not STATES_ONLY:
                         T.warpgroup_fence_operand(O, num_regs=TILE_REGS)
-                for i, j in T.Parallel(C, BV):
-                    u_s[i, j] = VF[i, j] - W[i, j] * eg[i]
+                if MAPS:  # V = 0
+                    for i, j in T.Parallel(C, BV):
+                        u_s[i, j] = -W[i, j] * eg[i]
+                else:
+                    for i, j in T.Parallel(C, BV):
+                        u_s[i, j] = VF[i, j] - W[i, j] * eg[i]
                 T.gemm(a_s, u_s, VN, clear_accum=True)
                 for i, j in T.Parallel(C, BV):
                     vd_s[i, j] = VN[i, j] * ed[i]
@@ -248,6 +263,13 @@ def fused_fwd_kernel(
             if not STATES_ONLY and seqlen > 0:
                 last = (seqlen - 1) // C
                 store_o(O_prev, o_s, o, bos + last * C, seqlen - last * C, ih, v0)
-            T.copy(S, ht[n, ih, :, v0:v0 + BV])
+            if MAPS:
+                for d, j in T.Parallel(K, BV):
+                    S[d, j] = S[d, j] - T.if_then_else(d == v0 + j, 1.0, 0.0)
+                for d, j in T.Parallel(K, BV):
+                    ht[n, ih, d, v0 + j] = S[d, j]
+                    ht[n, ih, d, V + v0 + j] = S[d, j] - T.cast(T.cast(S[d, j], ht_dtype), accum)
+            else:
+                T.copy(S, ht[n, ih, :, v0:v0 + BV])
 
     return tilelang.compile(fused_fwd, target=profile.target)

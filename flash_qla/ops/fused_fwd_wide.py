@@ -62,16 +62,19 @@ def fused_fwd_wide_kernel(
     STORE_H: bool,
     STATES_ONLY: bool = False,
     CHECKPOINT: bool = False,
+    MAPS: bool = False,
 ):
     """Compile (or load from TileLang's cache) the wide-tile fused forward for one static config.
 
     Arguments as fused_fwd_kernel; BV is a multiple of 64 (one consumer warpgroup per 64 columns).
     """
-    assert STORE_H or not STATES_ONLY, "STATES_ONLY stores h"
     assert not (CHECKPOINT and STORE_H), "h holds either every state or the checkpoints"
+    assert not MAPS or (STATES_ONLY and not (HAS_H0 or STORE_H or CHECKPOINT)), "MAPS walks from I, keeps the end"
     E = profile.checkpoint_chunks
     assert BV % ROWS_PER_WARPGROUP == 0, "one consumer warpgroup per 64 rows of Sᵀ"
-    h_dtype = dtype if STATES_ONLY else "float32"
+    h_dtype = dtype if STATES_ONLY and STORE_H else "float32"
+    # MAPS ends in D = M − I as compose_maps' operands: bf16 halves hi | lo side by side
+    ht_dtype, ht_cols = ("bfloat16", 2 * V) if MAPS else ("float32", V)
     C = profile.chunk
     GROUPS = Hv // Hqk
     NV = V // BV
@@ -100,7 +103,7 @@ def fused_fwd_wide_kernel(
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         h0: T.Tensor([n_h0, Hv, K, V], accum),
         o: T.Tensor([tokens, Hv, V], dtype),
-        ht: T.Tensor([n_seqs, Hv, K, V], accum),
+        ht: T.Tensor([n_seqs, Hv, K, ht_cols], ht_dtype),
         h: T.Tensor([n_chunks, Hv, K, V], h_dtype),
         scale: T.float32,
     ):
@@ -140,6 +143,9 @@ def fused_fwd_wide_kernel(
             if HAS_H0:
                 for j, d in T.Parallel(BV, K):
                     St[j, d] = h0[n, ih, d, v0 + j]
+            elif MAPS:  # this tile's columns of I
+                for j, d in T.Parallel(BV, K):
+                    St[j, d] = T.if_then_else(d == v0 + j, 1.0, 0.0)
             else:
                 T.clear(St)
             if not STATES_ONLY:
@@ -152,7 +158,8 @@ def fused_fwd_wide_kernel(
                     T.copy(q[t0:t0 + C, ihk, :], q_s)
                     T.copy(P[t0:t0 + C, ih, :], p_s)
                 T.copy(k[t0:t0 + C, ihk, :], k_s)
-                T.copy(v[t0:t0 + C, ih, v0:v0 + BV], v_s)
+                if not MAPS:
+                    T.copy(v[t0:t0 + C, ih, v0:v0 + BV], v_s)
                 T.copy(A[t0:t0 + C, ih, :], a_s)
                 T.copy(gates[ih, first_chunk + c, :, :], gates_s)
 
@@ -164,7 +171,7 @@ def fused_fwd_wide_kernel(
                         for j, d in T.Parallel(BV, K):
                             h[(first_chunk + c) // E, ih, d, v0 + j] = St[j, d]
                 T.copy(St, Sb)
-                if STATES_ONLY:
+                if STATES_ONLY and STORE_H:
                     for j, d in T.Parallel(BV, K):
                         h[first_chunk + c, ih, d, v0 + j] = Sb[j, d]
                 # Sᵀ becomes the accumulator of the update (before the issue: see fused_fwd)
@@ -187,8 +194,12 @@ def fused_fwd_wide_kernel(
                     T.warpgroup_fence_operand(Wt, num_regs=TILE_REGS)
                     if not STATES_ONLY:
                         T.warpgroup_fence_operand(Ot, num_regs=TILE_REGS)
-                for j, i in T.Parallel(BV, C):
-                    Ub[j, i] = v_s[i, j] - Wt[j, i] * eg[i]
+                if MAPS:  # V = 0
+                    for j, i in T.Parallel(BV, C):
+                        Ub[j, i] = -Wt[j, i] * eg[i]
+                else:
+                    for j, i in T.Parallel(BV, C):
+                        Ub[j, i] = v_s[i, j] - Wt[j, i] * eg[i]
                 T.gemm(Ub, a_s, VNt, transpose_B=True, clear_accum=True, policy=ROWS)
                 for j, i in T.Parallel(BV, C):
                     VDb[j, i] = VNt[j, i] * ed[i]
@@ -213,7 +224,14 @@ def fused_fwd_wide_kernel(
             if not STATES_ONLY and seqlen > 0:
                 last = (seqlen - 1) // C
                 store_o(Ot_prev, o_s, o, bos + last * C, seqlen - last * C, ih, v0, tx)
-            for j, d in T.Parallel(BV, K):
-                ht[n, ih, d, v0 + j] = St[j, d]
+            if MAPS:
+                for j, d in T.Parallel(BV, K):
+                    St[j, d] = St[j, d] - T.if_then_else(d == v0 + j, 1.0, 0.0)
+                for j, d in T.Parallel(BV, K):
+                    ht[n, ih, d, v0 + j] = St[j, d]
+                    ht[n, ih, d, V + v0 + j] = St[j, d] - T.cast(T.cast(St[j, d], ht_dtype), accum)
+            else:
+                for j, d in T.Parallel(BV, K):
+                    ht[n, ih, d, v0 + j] = St[j, d]
 
     return tilelang.compile(fused_fwd_wide, target=profile.target)

@@ -8,9 +8,10 @@ Reads like flash_qla/reference/backward_stages.py:
      activation memory, 4x the size of A (537 MB per layer in bf16 at 16/32 and T = 32768).
      Measured on the H200 at 16/32 (benchmark/NOTES.md v12): the forward walk storing them
      in fp32 takes +0.31 ms at 8x4096 and +0.24 ms at 1x32768 (in bf16, half the bytes:
-     ~0.15 and ~0.12, estimated), where the recompute takes 0.33 and 0.36 ms: keeping
-     them would save ~0.2 ms of a 3.0-3.8 ms training step for 4x A's memory. Memory wins
-     at the lengths training runs. Where a training forward kept checkpoints (the state every
+     ~0.15 and ~0.12, estimated; both walks then stored h element by element from
+     registers), where the recompute takes 0.29 and 0.30 ms (v13, its h stores staged
+     through shared memory: 0.35 and 0.36 before): keeping them would save ~0.2 ms of a
+     3.0-3.7 ms training step for 4x A's memory. Memory wins at the lengths training runs. Where a training forward kept checkpoints (the state every
      profile.checkpoint_chunks chunks in fp32, 1/16 of h's bytes in bf16;
      flash_qla.ops.forward.keeps_checkpoints), the walk restarts from them in pieces of
      that many chunks, all in parallel: long sequences over few heads give it too few

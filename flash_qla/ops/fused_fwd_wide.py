@@ -36,7 +36,10 @@ The gate factors scale columns here (tokens are the N side): each thread keeps e
 e^{γ_L − γ} of the 16 columns its accumulator fragments hold, read from the ring's copy of
 kkt_solve's `gates` (computed here, they were 32 exponentials a thread per chunk, 64x the
 distinct values). V is read transposed from its ring tile, which is swizzled so that a
-warp's reads hit distinct banks.
+warp's reads hit distinct banks. The recompute (STATES_ONLY) stages each chunk's Sᵀ through
+shared memory as h's rows for 16-byte stores, each warpgroup its own 64 columns (staging.py;
+0.351 -> 0.289 ms at 16/32 8x4096, h bitwise equal, benchmark/NOTES.md v13); the fp32 h of
+STORE_H and the checkpoints are still stored element by element from the registers.
 """
 
 import functools
@@ -46,7 +49,7 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.staging import ROWS_PER_WARPGROUP, STAGE_PAD, row_store
+from flash_qla.ops.staging import ROWS_PER_WARPGROUP, STAGE_PAD, row_store, state_store
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,6 +93,7 @@ def fused_fwd_wide_kernel(
     n_slots = T.dynamic("n_slots")
 
     store_o = row_store(BV, C)  # o[t0 : t0 + valid] = Otᵀ, each warpgroup its own 64 columns
+    store_h = state_store(BV, K)  # h[c] = Sbᵀ (the recompute's), each warpgroup its own 64 columns
 
     @T.prim_func
     def fused_fwd_wide(
@@ -122,6 +126,8 @@ def fused_fwd_wide_kernel(
             p_s = T.alloc_shared([C, C], dtype)
             gates_s = T.alloc_shared([2, C], accum)  # e^γ, e^{γ_L − γ}
             o_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # o staged for its store, rows padded
+            if STATES_ONLY and STORE_H:
+                h_s = T.alloc_shared([K, BV + STAGE_PAD], dtype)  # h staged for its store, rows padded
             # V is read a column per thread group: swizzled 128-byte rows, else the rows a warp
             # reads at once (2 apart) all start in one bank
             T.annotate_layout({v_s: make_full_bank_swizzled_layout(v_s)})
@@ -172,8 +178,7 @@ def fused_fwd_wide_kernel(
                             h[(first_chunk + c) // E, ih, d, v0 + j] = St[j, d]
                 T.copy(St, Sb)
                 if STATES_ONLY and STORE_H:
-                    for j, d in T.Parallel(BV, K):
-                        h[first_chunk + c, ih, d, v0 + j] = Sb[j, d]
+                    store_h(Sb, h_s, h, first_chunk + c, ih, v0, tx)
                 # Sᵀ becomes the accumulator of the update (before the issue: see fused_fwd)
                 decay = gates_s[0, valid - 1]
                 for j, d in T.Parallel(BV, K):

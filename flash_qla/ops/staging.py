@@ -1,9 +1,11 @@
-"""Row stores of the transposed walks' [BV, C] register tiles (o; dv_new and dv).
+"""Row stores of the transposed walks' register tiles: [BV, C] outputs (o; dv_new and dv) and
+the [BV, K] state.
 
 The transposed walks (fused_fwd_wide, fused_bwd_wide) hold their [C, BV] outputs as [BV, C]
 accumulators, one consumer warpgroup per 64 of the BV rows. `row_store` writes such a tile to
 x[t0 : t0 + valid, ih, v0 : v0 + BV] through a shared-memory staging tile [C, BV + STAGE_PAD],
-so that global stores are whole 16-byte row pieces. Each warpgroup stages and stores only its own
+so that global stores are whole 16-byte row pieces; `state_store` writes the state Sᵀ to
+h[c, ih, :, v0 : v0 + BV] the same way. Each warpgroup stages and stores only its own
 64 columns, between named barriers of its own 128 threads: the walks' chains never wait for
 each other.
 """
@@ -38,5 +40,31 @@ def row_store(BV: int, C: int):
             if row < valid:
                 for e in T.vectorized(8):
                     x[t0 + row, ih, v0 + col + e] = x_s[row, col + e]
+
+    return store
+
+
+def state_store(BV: int, K: int):
+    """The macro state_store(St, x_s, h, c, ih, v0, tx): h[c, ih, :, v0 : v0 + BV] = Stᵀ.
+
+    St [BV, K] fragment, x_s [K, BV + STAGE_PAD] shared, tx the consumer thread index. Stored
+    from the registers element by element instead, a warp's 2-byte stores touch 8 rows of h 256
+    bytes apart: the state recompute at 16/32 8x4096 took 0.351 ms against 0.289 staged
+    (benchmark/NOTES.md v13).
+    """
+
+    @T.macro
+    def store(St, x_s, h, c, ih, v0, tx):
+        wg = tx // 128
+        lane = tx % 128
+        T.sync_threads(STAGE_BARRIER + wg, 128)  # this warpgroup's reads of the last state are done
+        for j, d in T.Parallel(BV, K):
+            x_s[d, j] = St[j, d]
+        T.sync_threads(STAGE_BARRIER + wg, 128)
+        for r in T.unroll(K // 16):  # 16 rows x 8 vectors of 8 elements per pass
+            row = r * 16 + lane // 8
+            col = wg * ROWS_PER_WARPGROUP + lane % 8 * 8
+            for e in T.vectorized(8):
+                h[c, ih, row, v0 + col + e] = x_s[row, col + e]
 
     return store

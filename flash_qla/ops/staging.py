@@ -20,20 +20,36 @@ STAGE_PAD = 8
 STAGE_BARRIER = 4
 
 
+def stage_transposed(BV: int, R: int):
+    """The macro stage_transposed(Xt, x_s, tx): x_s[:, this warpgroup's 64 columns] = Xtᵀ.
+
+    Xt [BV, R] fragment, x_s [R, BV + STAGE_PAD] shared; between named barriers of the
+    warpgroup's own 128 threads (the first: its reads of the last staged tile are done).
+    """
+
+    @T.macro
+    def stage(Xt, x_s, tx):
+        wg = tx // 128
+        T.sync_threads(STAGE_BARRIER + wg, 128)
+        for j, i in T.Parallel(BV, R):
+            x_s[i, j] = Xt[j, i]
+        T.sync_threads(STAGE_BARRIER + wg, 128)
+
+    return stage
+
+
 def row_store(BV: int, C: int):
     """The macro row_store(Xt, x_s, x, t0, valid, ih, v0, tx): x[t0 : t0 + valid, ih, v0 : v0 + BV] = Xtᵀ.
 
     Xt [BV, C] fragment, x_s [C, BV + STAGE_PAD] shared, tx the consumer thread index.
     """
+    stage = stage_transposed(BV, C)
 
     @T.macro
     def store(Xt, x_s, x, t0, valid, ih, v0, tx):
         wg = tx // 128
         lane = tx % 128
-        T.sync_threads(STAGE_BARRIER + wg, 128)  # this warpgroup's reads of the last tile are done
-        for j, i in T.Parallel(BV, C):
-            x_s[i, j] = Xt[j, i]
-        T.sync_threads(STAGE_BARRIER + wg, 128)
+        stage(Xt, x_s, tx)
         for r in T.unroll(C // 16):  # 16 rows x 8 vectors of 8 elements per pass
             row = r * 16 + lane // 8
             col = wg * ROWS_PER_WARPGROUP + lane % 8 * 8
@@ -52,15 +68,13 @@ def state_store(BV: int, K: int):
     bytes apart: the state recompute at 16/32 8x4096 took 0.351 ms against 0.289 staged
     (benchmark/NOTES.md v13).
     """
+    stage = stage_transposed(BV, K)
 
     @T.macro
     def store(St, x_s, h, c, ih, v0, tx):
         wg = tx // 128
         lane = tx % 128
-        T.sync_threads(STAGE_BARRIER + wg, 128)  # this warpgroup's reads of the last state are done
-        for j, d in T.Parallel(BV, K):
-            x_s[d, j] = St[j, d]
-        T.sync_threads(STAGE_BARRIER + wg, 128)
+        stage(St, x_s, tx)
         for r in T.unroll(K // 16):  # 16 rows x 8 vectors of 8 elements per pass
             row = r * 16 + lane // 8
             col = wg * ROWS_PER_WARPGROUP + lane % 8 * 8

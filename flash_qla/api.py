@@ -123,8 +123,10 @@ def chunk_gated_delta_rule(
         chunks (fp32, [T / 2048 + N, Hv, K, V] per call, saved for the backward) when long
         sequences over few heads would leave the backward's state recompute with too few
         blocks (and whenever the forward split: the pieces' start states are those states),
-        and the backward restarts it from them in parallel pieces. The gradients are the
-        same either way, up to rounding where the forward split.
+        and the backward restarts it from them in parallel pieces. Where the forward splits a
+        sequence, the backward walk of its gradients splits it too (the same maps, walked
+        backward in time; the low-level chunk_gated_delta_rule_bwd takes auto_cp as well).
+        The gradients are the same either way, up to rounding where the walks split.
     head_first : bool
         Must be False: [B, H, T, D] inputs are not supported.
 
@@ -153,7 +155,7 @@ def chunk_gated_delta_rule(
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
         o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens)
     else:  # nothing to differentiate: no autograd node, nothing saved for a backward
-        _, _, o, _, final_state, _ = _forward(*args, False, seqlens)
+        _, _, o, _, final_state, _, _ = _forward(*args, False, seqlens)
     return _unpack(o, B, T), _state_out(final_state, state_v_first)
 
 
@@ -209,7 +211,7 @@ def chunk_gated_delta_rule_fwd(
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     B, T = q.shape[:2]
     with torch.no_grad():
-        g_cum, A, o, h, final_state, _ = _forward(
+        g_cum, A, o, h, final_state, _, _ = _forward(
             *_pack(q, k, v, g, beta),
             _default_scale(scale, q),
             _state_in(initial_state, state_v_first, q),
@@ -234,6 +236,7 @@ def chunk_gated_delta_rule_bwd(
     initial_state=None,
     cu_seqlens=None,
     state_v_first=False,
+    auto_cp=True,
 ):
     """Backward of chunk_gated_delta_rule_fwd.
 
@@ -250,6 +253,9 @@ def chunk_gated_delta_rule_bwd(
         Gradient of o.
     dht : Tensor, [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), optional
         Gradient of final_state; None counts as zero.
+    auto_cp : bool
+        As for chunk_gated_delta_rule: the backward walk of a single long sequence over few
+        heads runs in pieces (the same gradients within rounding).
 
     Returns
     -------
@@ -269,5 +275,6 @@ def chunk_gated_delta_rule_bwd(
         _default_scale(scale, q),
         _state_in(initial_state, state_v_first, q),
         _packed_cu_seqlens(cu_seqlens, q),
+        auto_cp=auto_cp,
     )
     return (*(_unpack(x, B, T) for x in (dq, dk, dv, dbeta, dg)), _state_out(dh0, state_v_first))

@@ -38,6 +38,8 @@ def _forward(
     final_state : [N, Hv, K, V] float32; None unless output_final_state.
     checkpoints : for _backward (flash_qla.ops.forward.keeps_checkpoints), or None: always
         None unless training with seqlens, and on the PyTorch path.
+    maps : for _backward, or None: when a training forward walked its sequence in pieces, the
+        pieces' maps (flash_qla.ops.context_parallel), which the backward walk's split reuses.
     """
     if q.is_cuda:
         from flash_qla.ops.forward import forward_kernels
@@ -49,12 +51,14 @@ def _forward(
     outputs = chunk_gated_delta_rule_fwd_ref(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h
     )
-    return (*outputs, None)
+    return (*outputs, None, None)
 
 
-def _backward(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints=None):
-    """Core backward; g_cum, A and checkpoints are what _forward returned, do [1, T, Hv, V],
-    dht [N, Hv, K, V] or None.
+def _backward(
+    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints=None, maps=None, auto_cp=False
+):
+    """Core backward; g_cum, A, checkpoints and maps are what _forward returned, do [1, T, Hv, V],
+    dht [N, Hv, K, V] or None; auto_cp: the planner may walk a single long sequence in pieces.
 
     Returns
     -------
@@ -67,5 +71,7 @@ def _backward(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens
         from flash_qla.ops.backward import backward_kernels
 
         _check_kernel_inputs(q, v)
-        return backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints)
+        return backward_kernels(
+            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, auto_cp
+        )
     return chunk_gated_delta_rule_bwd_ref(q, k, v, g_cum, beta, do, dht, scale, initial_state, cu_seqlens)

@@ -11,6 +11,8 @@ write fails the check):
 - test_low_level_backward_matches_reference: flash_qla.chunk_gated_delta_rule_bwd, fed the kernel
   forward's g_cum and A, against chunk_gated_delta_rule_bwd_ref.
 - test_backward_is_deterministic: two runs of one backward give bitwise-identical gradients.
+- test_checkpointed_recompute_is_exact, test_split_backward_matches_whole_walk: the backward's
+  state recompute from the forward's checkpoints, and its walk split into pieces of a sequence.
 - test_training_matches_reference: a tiny GatedDeltaNet layer trained with the kernels and with the
   reference on the GPU reaches the same loss, and the loss goes down.
 """
@@ -219,6 +221,56 @@ def test_checkpointed_recompute_is_exact(case, poisoned, monkeypatch):
     for name, got in grads[True].items():
         assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) or non-finite elements"
         assert torch.equal(got, grads[False][name]), name
+
+
+SPLIT_BACKWARD_CASES = [  # (case, pass dht); the split is forced
+    (Case("split_bwd_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), True),  # V-tiles of 32
+    (Case("split_bwd_piece_and_a_bit", (2049,), heads=(4, 16)), False),  # 33 chunks: a piece of one chunk
+    (Case("split_bwd_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"), True),
+    (Case("split_bwd_wide_h0", (20000,), heads=(2, 8), h0=True), True),  # V-tiles of 64
+]
+
+
+@pytest.mark.parametrize(
+    "case,with_dht", SPLIT_BACKWARD_CASES, ids=[f"{c.id}-{'dht' if d else 'no_dht'}" for c, d in SPLIT_BACKWARD_CASES]
+)
+def test_split_backward_matches_whole_walk(case, with_dht, poisoned, monkeypatch):
+    """The backward walked in pieces from their composed end gradients
+    (flash_qla.ops.context_parallel.split_backward_walk) gives the gradients of the walk over the
+    whole sequence, up to rounding: each within GRAD_TOL of the reference."""
+    seed = zlib.crc32(case.id.encode())
+    x, cu, h0 = case_inputs(case, seed)
+    do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
+    dht = _randn((1, case.heads[1], 128, 128), torch.float32, seed + 2) if with_dht else None
+    g_cum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu)
+    split_backward_walk, splits = backward_module.split_backward_walk, []
+
+    def spy(*args):
+        splits.append(args)
+        return split_backward_walk(*args)
+
+    monkeypatch.setattr(backward_module, "split_backward_walk", spy)
+    got = {}
+    for split in (True, False):
+        monkeypatch.setattr(backward_module, "splits_backward", lambda *args, split=split: split)
+        got[split] = flash_qla.chunk_gated_delta_rule_bwd(
+            x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu
+        )
+    assert len(splits) == 1, "the backward walk split exactly when the planner said so"
+    q, k, v, beta = (x[name].float() for name in ("q", "k", "v", "beta"))
+    want = chunk_gated_delta_rule_bwd_ref(
+        q, k, v, chunk_local_cumsum(x["g"], cu), beta, do.float(), dht, initial_state=h0, cu_seqlens=cu
+    )
+    names = ("dq", "dk", "dv", "dbeta", "dg", "dh0")
+    errors = {name: rel_l2(g, w) for name, g, w in zip(names, got[True], want) if w is not None}
+    apart = {name: rel_l2(g, w) for name, g, w in zip(names, got[True], got[False]) if w is not None}
+    print(case.id, {name: f"{err:.2e}" for name, err in errors.items()}, "split vs whole", {
+        name: f"{err:.2e}" for name, err in apart.items()
+    })
+    assert (got[True][5] is None) == (h0 is None)
+    for name, g in zip(names, got[True]):
+        assert g is None or torch.isfinite(g).all(), f"{name} has unwritten (NaN) or non-finite elements"
+    assert all(err <= GRAD_TOL for err in errors.values()), errors
 
 
 # ---- training smoke test ------------------------------------------------------------------------

@@ -119,11 +119,13 @@ def test_split_forward_matches_whole_walk(case, poisoned, monkeypatch):
         assert rel_l2(got, whole) <= 2 * FWD_TOL, (name, rel_l2(got, whole))
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("has_s0", [False, True])
 @pytest.mark.parametrize("decay", [0.9, 1e-3], ids=["keeps", "forgets"])
-def test_compose_maps_gives_every_start_state(has_s0, decay):
+def test_compose_maps_gives_every_start_state(has_s0, decay, reverse):
     """S_0 = s0, S_{j+1} = M_j S_j + b_j, against a float64 loop; maps that forget the state
-    (M ≈ 0) included, where one bf16 product would leave the rounding of S behind."""
+    (M ≈ 0) included, where one bf16 product would leave the rounding of S behind. Reverse (the
+    backward's): the pieces last to first, each map transposed."""
     from flash_qla.arch import get_profile
     from flash_qla.ops.buffers import placeholder
     from flash_qla.ops.compose_maps import compose_maps_kernel
@@ -138,12 +140,12 @@ def test_compose_maps_gives_every_start_state(has_s0, decay):
     d = M - torch.eye(K, device="cuda")
     hi = d.bfloat16()
     D = torch.cat([hi, (d - hi.float()).bfloat16()], dim=-1)
-    kernel = compose_maps_kernel(Hv, K, K, get_profile(M.device), has_s0)
+    kernel = compose_maps_kernel(Hv, K, K, get_profile(M.device), has_s0, reverse)
     kernel(D, b, s0 if has_s0 else placeholder(M.device, Hv, K, K), starts)
     S = s0[0].double() if has_s0 else torch.zeros(Hv, K, K, dtype=torch.float64, device="cuda")
-    for j in range(n):
+    for j in range(n - 1, -1, -1) if reverse else range(n):
         assert rel_l2(starts[j], S.float()) <= COMPOSE_TOL, (j, rel_l2(starts[j], S.float()))
-        S = M[j].double() @ S + b[j].double()
+        S = (M[j].mT if reverse else M[j]).double() @ S + b[j].double()
 
 
 def test_kkt_gates_are_the_gate_exponentials():

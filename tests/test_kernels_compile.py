@@ -57,6 +57,11 @@ KERNELS = [
     # a split walk's composition of the pieces' maps, with and without an initial state
     ("compose_maps", compose_maps_kernel, (8, 128, 128, SM90, False), ("wgmma",)),
     ("compose_maps_s0", compose_maps_kernel, (8, 128, 128, SM90, True), ("wgmma",)),
+    # the split backward walk: the pieces' offsets (only dh0 written), the reverse composition
+    ("fused_bwd_ends_only", fused_bwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, True, True), ("wgmma", "tma_load")),
+    ("fused_bwd_wide_ends_only", fused_bwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, True, True), ("wgmma_rs", "tma_load")),
+    ("compose_maps_reverse", compose_maps_kernel, (8, 128, 128, SM90, False, True), ("wgmma",)),
+    ("compose_maps_reverse_dht", compose_maps_kernel, (8, 128, 128, SM90, True, True), ("wgmma",)),
     # every tile by cp.async, waited for at its first use
     ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs")),
 ]
@@ -100,14 +105,29 @@ def test_fused_fwd_wide_chains_share_no_barrier(states_only):
     assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
 
 
-def test_fused_bwd_wide_chains_share_no_barrier():
-    """As the wide forward: the backward walk's warpgroups meet at no barrier (dv_new's and dv's
-    staging synchronise one warpgroup's threads)."""
-    source = fused_bwd_wide_kernel(16, 32, 128, 128, 128, "bfloat16", SM90, True, True).get_kernel_source()
+@pytest.mark.parametrize("ends_only", [False, True])
+def test_fused_bwd_wide_chains_share_no_barrier(ends_only):
+    """As the wide forward: the backward walk's warpgroups meet at no barrier (the stagings of dh,
+    dv_new and dv synchronise one warpgroup's threads; the walk keeping only its end stages none)."""
+    source = fused_bwd_wide_kernel(16, 32, 128, 128, 128, "bfloat16", SM90, False, True, ends_only).get_kernel_source()
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
     assert all(b.endswith(", 128") for b in barriers), barriers
-    assert len(barriers) == 4  # before and after each of the two stagings
+    assert len(barriers) == (0 if ends_only else 6)  # before and after each of the three stagings
     assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
+
+
+@pytest.mark.parametrize("factory,BV", [(fused_bwd_kernel, 32), (fused_bwd_wide_kernel, 128)])
+def test_ends_only_backward_walks_store_only_dh0(factory, BV):
+    """The split backward's offsets walk (ENDS_ONLY) writes dh0 and none of dh, dv_new, dv."""
+    full = factory(2, 8, 128, 128, BV, "bfloat16", SM90, False, True).get_kernel_source()
+    ends = factory(2, 8, 128, 128, BV, "bfloat16", SM90, False, True, True).get_kernel_source()
+    for name in ("dh", "dv_new", "dv", "dh0"):
+        # by TMA (fused_bwd's dh) or element and vector stores
+        def writes(source, name=name):
+            return f"{name}_desc" in source or re.search(rf"\b{name}\s*[\[+]", source) is not None
+
+        assert writes(full), name
+        assert writes(ends) == (name == "dh0"), name
 
 
 # the last integer argument of each TVM-FFI call in a kernel's host code; the kernel launch's
@@ -152,10 +172,12 @@ def test_precompile_lists_every_backward_kernel():
         "fused_fwd_wide_kernel",
         "fused_bwd_kernel",
         "fused_bwd_wide_kernel",
+        "compose_maps_kernel",
         "chunk_grads_kernel",
     }
     # kkt_solve in backward mode; for every V-tile width the states-only walk with and without h0
     # (from the checkpoints or the sequences' starts), the forward walk keeping checkpoints with
-    # and without h0, and the backward walk with and without dht / dh0; chunk_grads
-    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * 2 * 2 + 1
+    # and without h0, the backward walk with and without dht / dh0 and the split backward's
+    # offsets walk; the reverse composition with and without dht; chunk_grads
+    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2 + 1
     assert not set(builds) & set(forward_kernel_builds(SM90, 16, 32, "bfloat16"))

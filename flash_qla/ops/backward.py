@@ -19,7 +19,9 @@ Reads like flash_qla/reference/backward_stages.py:
      state the forward walk had there, and walks the same arithmetic). Training step, H200:
      16/32 1x32768 4.05 -> 3.78 ms, 2/8 1x32768 2.24 -> 1.81 (benchmark/NOTES.md v11);
   3. the backward walk (fused_bwd_wide for V-tiles of 64 or 128 columns, fused_bwd for
-     narrower ones): the state gradients dS' walked backward in time, dv, dv_new, dh0;
+     narrower ones): the state gradients dS' walked backward in time, dv, dv_new, dh0. A
+     single long sequence over few heads walks in pieces, as the forward does (splits_backward,
+     flash_qla.ops.context_parallel.split_backward_walk);
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel.
 """
@@ -30,6 +32,8 @@ from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
 from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table
+from flash_qla.ops.compose_maps import compose_maps_kernel
+from flash_qla.ops.context_parallel import split_backward_walk
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
     DTYPE_NAMES,
@@ -37,6 +41,7 @@ from flash_qla.ops.forward import (
     WIDE_BLOCK_V,
     checkpoint_pieces_expected,
     choose_block_v,
+    splits_forward,
     walk_gate,
     walk_kernel,
 )
@@ -51,18 +56,31 @@ def backward_walk_kernel(BV: int):
     return fused_bwd_wide_kernel if BV in WIDE_BLOCK_V else fused_bwd_kernel
 
 
-def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints):
+def splits_backward(n_seqs: int, T: int, Hv: int, V: int, profile: ArchProfile) -> bool:
+    """Whether the backward walk runs a single sequence of T tokens in pieces
+    (flash_qla.ops.context_parallel.split_backward_walk): where the forward walk would. The
+    backward's are the same chains over the same pieces, with the costlier chunk step, and a
+    map walk of the forward's kind, so the split gains at least as much."""
+    return n_seqs == 1 and splits_forward((T,), Hv, V, profile)
+
+
+def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, auto_cp):
     """The GPU backward; arguments and returns as flash_qla.dispatch._backward.
 
     q, k [1, T, Hqk, K]; v, do [1, T, Hv, V]; g_cum, beta [1, T, Hv]; A [1, T, Hv, 64];
     cu_seqlens [N + 1] int32; dht, initial_state [N, Hv, K, V] float32 or None;
-    checkpoints: what the forward returned for them, or None.
+    checkpoints, maps: what the forward returned for them, or None; auto_cp: the backward walk
+    may split a single long sequence (splits_backward).
     """
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
-        return _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints)
+        return _backward_kernels(
+            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, auto_cp
+        )
 
 
-def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints):
+def _backward_kernels(
+    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, auto_cp
+):
     profile = get_profile(q.device)
     C = profile.chunk
     _, T, Hqk, K = q.shape
@@ -109,16 +127,34 @@ def _backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu
         placeholder if h0 is None else h0.contiguous(), v, ht, h, scale,
     )  # fmt: skip
 
-    # 3. state gradients, backward in time, over the sequences
-    BV = choose_block_v(N, Hv, V, profile)
-    gate = walk_gate(BV, gamma, gates)
+    # 3. state gradients, backward in time, over the sequences or over pieces of a single one
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
     dv_new, dv = buffers.new(v.shape, v.dtype, q.device), buffers.new(v.shape, v.dtype, q.device)
     has_dht, has_h0 = dht is not None, initial_state is not None
-    dht = dht.to(f32).contiguous() if has_dht else placeholder
-    dh0 = buffers.new((N, Hv, K, V), f32, q.device) if has_h0 else placeholder
-    walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, has_dht, has_h0)
-    executable(walk)(q, k, do, gate, A, P, cu_seqlens, chunk_offsets, dht, dh, dv_new, dv, dh0, scale)
+    dht = dht.to(f32).contiguous() if has_dht else None
+    if auto_cp and splits_backward(N, T, Hv, V, profile):
+        pieces = checkpoint_pieces_expected(N, T, profile)
+        BV = choose_block_v(pieces, Hv, V, profile)
+        BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+        walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, has_h0)
+        ends_walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, False, True, True)
+        if maps is None:  # the forward did not split: the maps' walk (its MAPS variant) forms them
+            maps = executable(
+                walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
+            )
+        dh0 = split_backward_walk(
+            executable(walk), executable(ends_walk), maps, walk_gate(BV_maps, gamma, gates),
+            walk_gate(BV, gamma, gates), q, k, v, do, A, P, cu_seqlens, slots, pieces, scale, dht, dh, dv_new, dv,
+            has_h0, profile,
+        )  # fmt: skip
+    else:
+        BV = choose_block_v(N, Hv, V, profile)
+        dh0 = buffers.new((N, Hv, K, V), f32, q.device) if has_h0 else placeholder
+        walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, has_dht, has_h0)
+        executable(walk)(
+            q, k, do, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
+            placeholder if dht is None else dht, dh, dv_new, dv, dh0, scale,
+        )  # fmt: skip
 
     # 4. chunk gradients
     dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
@@ -150,5 +186,8 @@ def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, 
         for has_dht in (False, True):
             for store_dh0 in (False, True):
                 builds.append((backward_walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_dht, store_dh0)))
+        # the pieces' offsets of a split backward walk (its maps are the forward's MAPS walk)
+        builds.append((backward_walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, True, True)))
+    builds += [(compose_maps_kernel, (Hv, K, V, profile, has_dht, True)) for has_dht in (False, True)]
     builds.append((chunk_grads_kernel, (Hqk, Hv, K, V, dtype, profile)))
     return builds

@@ -5,7 +5,14 @@ b_j [K, V] the maps S_end = M_j S_start + b_j (flash_qla.ops.context_parallel):
 
     S_0 = s0 (the initial state, or 0),   S_{j+1} = S_j + D_j S_j + b_j,   D_j = M_j − I
 
-and writes every S_j. The product runs on the tensor cores in three bf16 products, D_hi S_hi +
+and writes every S_j. REVERSE composes the backward walk's maps instead, the adjoints of the
+same pieces walked last to first (dS_start = M_jᵀ dS_end + b_j, b_j the piece's dS_start from
+dS_end = 0): with J pieces,
+
+    X_0 = s0 (dht, or 0),   X_{r+1} = X_r + D_jᵀ X_r + b_j,   j = J − 1 − r,
+
+writing X_r, the gradient of the state at the end of piece j, in row j.
+The product runs on the tensor cores in three bf16 products, D_hi S_hi +
 D_hi S_lo + D_lo S_hi (x = x_hi + x_lo, each half rounded to bf16), with an fp32 accumulator:
 about 16 bits of each operand, where one bf16 product keeps 8 and loses the state when the map
 forgets it (M ≈ 0: S + D S cancels to the rounding of S). D_hi and D_lo arrive as they are
@@ -17,7 +24,7 @@ Inputs:
     b       [pieces, Hv, K, V] fp32
     s0      [1, Hv, K, V] fp32 (read when HAS_S0)
 Outputs:
-    starts  [pieces, Hv, K, V] fp32
+    starts  [pieces, Hv, K, V] fp32 (REVERSE: the pieces' end-state gradients)
 
 Schedule: grid (V / BV, Hv), a block walks the pieces in order with its [K, BV] slice of S
 in fp32 registers (the products' accumulator). T.Pipelined streams each piece's D halves and
@@ -40,8 +47,11 @@ BV = 32  # V-tile width: 4 blocks a head at V = 128
 
 
 @functools.lru_cache(maxsize=None)
-def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: bool):
-    """Compile (or load from TileLang's cache) the composition of the pieces' maps for one config."""
+def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: bool, REVERSE: bool = False):
+    """Compile (or load from TileLang's cache) the composition of the pieces' maps for one config.
+
+    REVERSE: the backward walk's composition, transposed maps over the pieces last to first.
+    """
     pieces = T.dynamic("pieces")
     f32, bf16 = "float32", "bfloat16"
 
@@ -65,7 +75,8 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
                 T.copy(s0[0, ih, :, v0:v0 + BV], S)
             else:
                 T.clear(S)
-            for j in T.Pipelined(pieces, num_stages=2):
+            for r in T.Pipelined(pieces, num_stages=2):
+                j = pieces - 1 - r if REVERSE else r
                 T.copy(D[j, ih, :, 0:K], d_hi)
                 T.copy(D[j, ih, :, K:2 * K], d_lo)
                 T.copy(b[j, ih, :, v0:v0 + BV], b_s)
@@ -75,8 +86,8 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
                     s_lo[i, c] = S[i, c] - T.cast(T.cast(S[i, c], bf16), f32)
                 for i, c in T.Parallel(K, BV):
                     S[i, c] = S[i, c] + b_s[i, c]
-                T.gemm(d_hi, s_hi, S)
-                T.gemm(d_hi, s_lo, S)
-                T.gemm(d_lo, s_hi, S)
+                T.gemm(d_hi, s_hi, S, transpose_A=REVERSE)
+                T.gemm(d_hi, s_lo, S, transpose_A=REVERSE)
+                T.gemm(d_lo, s_hi, S, transpose_A=REVERSE)
 
     return tilelang.compile(compose_maps, target=profile.target)

@@ -1,4 +1,4 @@
-"""Context-parallel forward walk, exact route (DESIGN.md §1): one long sequence over few heads.
+"""Context-parallel walks, exact route (DESIGN.md §1): one long sequence over few heads.
 
 A single sequence gives the forward walk Hv · V / BV chains of all its chunks (2/8 at 32768
 tokens: 64 chains of 512 chunks, half the SMs idle). Here the sequence is cut into pieces of
@@ -26,6 +26,17 @@ chunk's state stored), 0.328 with the MAPS walks, 0.288 with compose_maps readin
 (the walks over pieces 45 µs each, the composition 36); the training step 1.53 ms against 2.24
 with auto_cp off (here the start states are the checkpoints: no checkpointing walk). Only
 single sequences split: the composition runs one sequence's pieces.
+
+The backward walk splits the same way, walked last to first. Over a piece it maps the state
+gradient at the piece's end affinely to the one at its start, dS_start = Mᵀ dS_end + b', with
+the same M (the adjoint of each chunk's T_c: the backward walk's linear part) and b' the
+piece's dS_start from dS_end = 0: the MAPS walk gives M (a training forward that split hands
+its D over), the backward walk from zero over all pieces at once (ENDS_ONLY: it writes only
+each piece's dS_start) gives b', compose_maps (REVERSE) composes the transposed maps from dht,
+last piece first, into every piece's end gradient, and the backward walk runs over the pieces
+from them (dh, dv_new, dv of every chunk; dh0 is the first piece's start gradient). Gradients
+within 1.3e-3 of the whole walk's. H200 (benchmark/NOTES.md v14): the low-level backward 2/8
+1x32768 1.650 -> 1.223 ms, 4/16 1.997 -> 1.797; the training step 2/8 1x32768 1.469 -> 1.000.
 """
 
 import torch
@@ -34,6 +45,18 @@ from flash_qla.ops import buffers
 from flash_qla.ops.chunks import checkpoint_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.launch import executable
+
+
+def _maps_of_pieces(maps, maps_gate, q, k, v, A, P, bounds, firsts, placeholder, scale):
+    """D [pieces, Hv, K, 2 K]: M − I of every piece, as compose_maps reads it, from `maps` (the
+    executable of the forward walk's MAPS variant, which reads neither v nor h0: v, of o's shape
+    and dtype, and the placeholder stand in)."""
+    _, Hv, V = v.shape
+    K = q.shape[-1]
+    assert K == V, "the transition M is walked as a state"
+    D = buffers.new((bounds.numel() - 1, Hv, K, 2 * K), torch.bfloat16, v.device)
+    maps(q, k, v, maps_gate, A, P, bounds, firsts, placeholder, v, D, placeholder, scale)
+    return D
 
 
 def split_walk(
@@ -49,23 +72,21 @@ def split_walk(
     the forward walk takes them; cu_seqlens [2] (one sequence of T > 0 tokens) and its number of
     pieces; initial_state [1, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None.
 
-    Returns o [T, Hv, V], final_state [1, Hv, K, V], and (starts [pieces, Hv, K, V], rows
+    Returns o [T, Hv, V], final_state [1, Hv, K, V], (starts [pieces, Hv, K, V], rows
     [pieces]): each piece's start state and its row in a forward's checkpoint buffer
-    (flash_qla.ops.forward.checkpoint_rows), which the start states are.
+    (flash_qla.ops.forward.checkpoint_rows), which the start states are, and the maps
+    D [pieces, Hv, K, 2 K] as compose_maps reads them (a backward walk's split reuses them).
     """
-    C, E = profile.chunk, profile.checkpoint_chunks
     _, Hv, V = v.shape
     K = q.shape[-1]
-    assert K == V, "the transition M is walked as a state"
-    bounds, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, E)
+    bounds, firsts, rows = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
     n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
     f32, device = torch.float32, v.device
     placeholder = buffers.placeholder(device, Hv, K, V)
-    D = buffers.new((n, Hv, K, 2 * K), torch.bfloat16, device)  # M − I, as compose_maps reads it
+    D = _maps_of_pieces(maps, maps_gate, q, k, v, A, P, bounds, firsts, placeholder, scale)
     b = buffers.new((n, Hv, K, V), f32, device)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
-    # placeholder stand in (and MAPS reads neither v nor h0)
-    maps(q, k, v, maps_gate, A, P, bounds, firsts, placeholder, v, D, placeholder, scale)
+    # placeholder stand in
     offsets(q, k, v, maps_gate, A, P, bounds, firsts, placeholder, v, b, placeholder, scale)
     starts = buffers.new((n, Hv, K, V), f32, device)
     compose = compose_maps_kernel(Hv, K, V, profile, initial_state is not None)
@@ -75,4 +96,39 @@ def split_walk(
     ends = buffers.new((n, Hv, K, V), f32, device)
     walk(q, k, v, walk_gate, A, P, bounds, firsts, starts, o, ends, placeholder if h is None else h, scale)
     # the last non-empty piece's end is the sequence's (a copy: the other ends are not kept)
-    return o, ends[pieces - 1:pieces].clone(), (starts, rows)
+    return o, ends[pieces - 1:pieces].clone(), (starts, rows), D[:pieces]
+
+
+def split_backward_walk(
+    walk, ends_walk, maps, maps_gate, gate, q, k, v, do, A, P, cu_seqlens, slots, pieces, scale, dht, dh, dv_new, dv,
+    store_dh0, profile,
+):
+    """The backward walk of one sequence in pieces: fills dh, dv_new and dv, returns dh0.
+
+    walk / ends_walk: the TileLang executables of the backward walk from per-piece end gradients
+    (HAS_DHT, STORE_DH0 = store_dh0) and of the one from zero keeping only the pieces' start
+    gradients (ENDS_ONLY), both taking `gate`; maps: the pieces' D [pieces, Hv, K, 2 K] from a
+    forward that split the same sequence (split_walk), or the executable of the forward's MAPS
+    walk that forms them, taking maps_gate; q, k, v, do, A, P as the walks take them;
+    cu_seqlens [2] (one sequence of T > 0 tokens) and its number of pieces; dht [1, Hv, K, V]
+    float32 or None; dh [slots, Hv, K, V], dv_new, dv [T, Hv, V]: the outputs. Returns dh0
+    [1, Hv, K, V] float32 when store_dh0, else None.
+    """
+    _, Hv, V = v.shape
+    K = q.shape[-1]
+    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
+    n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
+    f32, device = torch.float32, v.device
+    placeholder = buffers.placeholder(device, Hv, K, V)
+    D = maps if isinstance(maps, torch.Tensor) else _maps_of_pieces(
+        maps, maps_gate, q, k, v, A, P, bounds, firsts, placeholder, scale
+    )
+    offsets = buffers.new((n, Hv, K, V), f32, device)
+    ends_walk(q, k, do, gate, A, P, bounds, firsts, placeholder, dh, dv_new, dv, offsets, scale)
+    # every piece's end gradient; the rows of the empty pieces past the last are read, not used
+    ends = buffers.new((n, Hv, K, V), f32, device)
+    compose = compose_maps_kernel(Hv, K, V, profile, dht is not None, True)
+    executable(compose)(D[:pieces], offsets[:pieces], placeholder if dht is None else dht, ends[:pieces])
+    starts = buffers.new((n, Hv, K, V), f32, device) if store_dh0 else placeholder
+    walk(q, k, do, gate, A, P, bounds, firsts, ends, dh, dv_new, dv, starts, scale)
+    return starts[:1] if store_dh0 else None

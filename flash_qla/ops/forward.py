@@ -227,6 +227,7 @@ def _forward_kernels(
     h0 = initial_state.contiguous() if initial_state is not None else None
     split = seqlens is not None and splits_forward(seqlens, Hv, V, profile)
     checkpoints = None  # kept for a backward where they pay, and always when the walk split: free then
+    maps = None
     if training and seqlens is not None and (split or keeps_checkpoints(seqlens, Hv, V, profile)):
         checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), torch.float32, device)
 
@@ -238,12 +239,13 @@ def _forward_kernels(
         # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY)
         maps = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
         offsets = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True)
-        o, final_state, (starts, rows) = split_walk(
+        o, final_state, (starts, rows), D = split_walk(
             executable(walk), walk_gate(BV, gamma, gates), executable(maps), executable(offsets),
             walk_gate(BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, pieces, scale, h0, h, profile,
         )  # fmt: skip
         if checkpoints is not None:
             checkpoints.index_copy_(0, rows[:pieces], starts[:pieces])
+            maps = D  # the backward walk splits the same pieces (flash_qla.ops.backward.splits_backward)
     else:
         if checkpoints is not None:  # the rows of the sequences' initial states
             first_rows = checkpoints[checkpoints.shape[0] - N:]
@@ -269,6 +271,7 @@ def _forward_kernels(
         h,
         final_state if output_final_state else None,
         checkpoints,
+        maps,
     )
 
 

@@ -28,6 +28,8 @@ Outputs:
     dv_new   [T, Hv, V]     input dtype
     dv       [T, Hv, V]     input dtype
     dh0      [N, Hv, K, V]  fp32 gradient of the initial state (written when STORE_DH0)
+    (ENDS_ONLY: dh0 alone, each sequence's dS at its start: the context-parallel backward's
+    offsets, flash_qla.ops.context_parallel)
 
 Schedule: as fused_fwd, grid (V / BV, Hv, N), one block walks its sequence's chunks in
 reverse (the launcher runs this form for V-tiles of 32 and 16 columns; tiles of 64 and 128
@@ -66,8 +68,14 @@ def fused_bwd_kernel(
     profile: ArchProfile,
     HAS_DHT: bool,
     STORE_DH0: bool,
+    ENDS_ONLY: bool = False,
 ):
-    """Compile (or load from TileLang's cache) the backward walk for one static config."""
+    """Compile (or load from TileLang's cache) the backward walk for one static config.
+
+    ENDS_ONLY: only dh0 is written (no dh, dv_new, dv): the walks of the context-parallel
+    backward that give each piece's offset (flash_qla.ops.context_parallel).
+    """
+    assert STORE_DH0 or not ENDS_ONLY, "a walk that stores nothing"
     C = profile.chunk
     GROUPS = Hv // Hqk
     NV = V // BV
@@ -117,7 +125,8 @@ def fused_bwd_kernel(
             doe_s = T.alloc_shared([C, BV], dtype)  # diag(scale · e^γ) dO
             dvn_s = T.alloc_shared([C, BV], dtype)  # dv_new
             due_s = T.alloc_shared([C, BV], dtype)  # −diag(e^γ) dv
-            dv_s = T.alloc_shared([C, BV + DV_PAD], dtype)  # dv staged for its store, rows padded
+            if not ENDS_ONLY:
+                dv_s = T.alloc_shared([C, BV + DV_PAD], dtype)  # dv staged for its store, rows padded
             eg_s = T.alloc_shared([C], accum)  # e^γ, 0 past the end, for the dO tile steps
 
             dS = T.alloc_fragment([K, BV], accum)
@@ -153,7 +162,8 @@ def fused_bwd_kernel(
                     eg[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
                     ed[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
                 T.copy(dS, ds_s)
-                T.copy(ds_s, dh[first_chunk + c, ih, :, v0:v0 + BV])
+                if not ENDS_ONLY:
+                    T.copy(ds_s, dh[first_chunk + c, ih, :, v0:v0 + BV])
                 T.copy(do_s, DO)
                 for i, j in T.Parallel(C, BV):
                     dom_s[i, j] = T.if_then_else(i < valid, DO[i, j] * scale, 0.0)
@@ -179,14 +189,16 @@ def fused_bwd_kernel(
                 T.gemm(a_s, dvn_s, DV, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(C, BV):
                     due_s[i, j] = -DV[i, j] * eg[i]
-                for i, j in T.Parallel(C, BV):
-                    dv_s[i, j] = DV[i, j]
+                if not ENDS_ONLY:
+                    for i, j in T.Parallel(C, BV):
+                        dv_s[i, j] = DV[i, j]
                 T.gemm(k_s, due_s, dS, transpose_A=True)
 
-                for i, j in T.Parallel(C, BV):
-                    if i < valid:
-                        dv_new[t0 + i, ih, v0 + j] = dvn_s[i, j]
-                        dv[t0 + i, ih, v0 + j] = dv_s[i, j]
+                if not ENDS_ONLY:
+                    for i, j in T.Parallel(C, BV):
+                        if i < valid:
+                            dv_new[t0 + i, ih, v0 + j] = dvn_s[i, j]
+                            dv[t0 + i, ih, v0 + j] = dv_s[i, j]
 
             if STORE_DH0:
                 T.copy(dS, dh0[n, ih, :, v0:v0 + BV])

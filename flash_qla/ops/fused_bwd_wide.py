@@ -13,7 +13,7 @@ dS'ᵀ, dOᵀ (scaled, and masked past the sequence's end: P's rows there belong
 sequence), dv_newᵀ and dvᵀ diag(e^γ) are the A operands of the next products, which wgmma
 reads straight from registers (rounded to the input dtype, as fused_bwd rounds them into
 shared memory): only the TMA'd q, k, dO, A and P tiles are read from shared memory, and the
-consumers write shared memory only to stage dv_new and dv for their stores. So the consumer
+consumers write shared memory only to stage dh, dv_new and dv for their stores. So the consumer
 warpgroups, one per 64 columns, share the ring's tiles but nothing else: each runs an
 independent chain, and two chains per SM hide each other's latency (fused_fwd_wide's form).
 Both forms run near the DRAM rate at full grids, so the gain is the bytes fused_bwd reads
@@ -21,15 +21,19 @@ twice (q, k, A and P for each of two V-tiles): 16/32 8x4096 0.660 ms (fused_bwd,
 0.607 (BV = 128); at BV = 64 (one chain) 2/8 8x4096 0.173 -> 0.166, 16/64 1x32768 1.262 ->
 1.207 ms; outputs bitwise equal (benchmark/NOTES.md v10).
 
-Inputs and outputs as fused_bwd, except that the gate arrives as kkt_solve's `gates`
-[Hv, slots, 2, C] fp32 (e^γ and e^{γ_L − γ}, 0 past the chunk's end) in the place of γ.
+Inputs and outputs as fused_bwd (ENDS_ONLY too: only dh0 written), except that the gate
+arrives as kkt_solve's `gates` [Hv, slots, 2, C] fp32 (e^γ and e^{γ_L − γ}, 0 past the
+chunk's end) in the place of γ.
 Schedule: grid (V / BV, Hv, N), chunks walked last to first; TileLang's warp specialization:
 a producer warpgroup streams the tiles through a `num_stages`-deep TMA ring, BV / 64
 consumer warpgroups (every product splits its M = BV rows over them, `FullRow`). Per chunk
 the chain is three dependent steps: (K dS')ᵀ, (Pᵀ dO)ᵀ and the dOᵀ Q update in flight
 together, then dv_newᵀ A, then the dvᵀ K update, under which the chunk's dv_new and dv are
 stored (transposed through shared memory for whole-row stores, each warpgroup its own 64
-columns between barriers of its own 128 threads). dO is read transposed from its ring tile,
+columns between barriers of its own 128 threads). dS'ᵀ goes to dh the same way at the chunk's
+start (staging.state_store; from the registers, element by element, a warp's 2-byte stores
+touched 8 rows of dh 256 bytes apart: 16/32 8x4096 0.609 -> 0.541 ms, 16/64 1.185 -> 1.003,
+outputs bitwise equal; benchmark/NOTES.md v14). dO is read transposed from its ring tile,
 which is swizzled so that a warp's reads hit distinct banks.
 """
 
@@ -40,7 +44,7 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.staging import ROWS_PER_WARPGROUP, STAGE_PAD, row_store
+from flash_qla.ops.staging import ROWS_PER_WARPGROUP, STAGE_PAD, row_store, state_store
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,11 +58,13 @@ def fused_bwd_wide_kernel(
     profile: ArchProfile,
     HAS_DHT: bool,
     STORE_DH0: bool,
+    ENDS_ONLY: bool = False,
 ):
     """Compile (or load from TileLang's cache) the wide-tile backward walk for one static config.
 
     Arguments as fused_bwd_kernel; BV is a multiple of 64 (one consumer warpgroup per 64 columns).
     """
+    assert STORE_DH0 or not ENDS_ONLY, "a walk that stores nothing"
     assert BV % ROWS_PER_WARPGROUP == 0, "one consumer warpgroup per 64 rows of dSᵀ"
     C = profile.chunk
     GROUPS = Hv // Hqk
@@ -75,6 +81,7 @@ def fused_bwd_wide_kernel(
     n_slots = T.dynamic("n_slots")
 
     store_rows = row_store(BV, C)  # x[t0 : t0 + valid] = Xtᵀ, each warpgroup its own 64 columns
+    store_dh = state_store(BV, K)  # dh[c] = dS'ᵀ, each warpgroup its own 64 columns
 
     @T.prim_func
     def fused_bwd_wide(
@@ -108,8 +115,10 @@ def fused_bwd_wide_kernel(
             a_s = T.alloc_shared([C, C], dtype)
             p_s = T.alloc_shared([C, C], dtype)
             gates_s = T.alloc_shared([2, C], accum)  # e^γ, e^{γ_L − γ}
-            dvn_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # dv_new staged for its store, rows padded
-            dv_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # dv staged for its store, rows padded
+            if not ENDS_ONLY:
+                dvn_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # dv_new staged for its store, rows padded
+                dv_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # dv staged for its store, rows padded
+                dh_s = T.alloc_shared([K, BV + STAGE_PAD], dtype)  # dS' staged for its store, rows padded
             # dO is read a column per thread group: swizzled 128-byte rows, else the rows a warp
             # reads at once (2 apart) all start in one bank
             T.annotate_layout({do_s: make_full_bank_swizzled_layout(do_s)})
@@ -146,8 +155,8 @@ def fused_bwd_wide_kernel(
                 T.copy(gates[ih, first_chunk + c, :, :], gates_s)
 
                 T.copy(dSt, Db)
-                for j, d in T.Parallel(BV, K):
-                    dh[first_chunk + c, ih, d, v0 + j] = Db[j, d]
+                if not ENDS_ONLY:
+                    store_dh(Db, dh_s, dh, first_chunk + c, ih, v0, tx)
                 # dSᵀ becomes the accumulator of the update (before the issue, as in fused_fwd)
                 decay = gates_s[0, valid - 1]
                 for j, d in T.Parallel(BV, K):
@@ -177,8 +186,9 @@ def fused_bwd_wide_kernel(
                     DUe[j, i] = -DVt[j, i] * eg[i]
                 with T.ws_op("k_s"):  # one op: the ring frees k_s only after the wait
                     T.wgmma_gemm(DUe, k_s, dSt, policy=ROWS)
-                    store_rows(DVNb, dvn_s, dv_new, t0, valid, ih, v0, tx)
-                    store_rows(DVt, dv_s, dv, t0, valid, ih, v0, tx)
+                    if not ENDS_ONLY:
+                        store_rows(DVNb, dvn_s, dv_new, t0, valid, ih, v0, tx)
+                        store_rows(DVt, dv_s, dv, t0, valid, ih, v0, tx)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(dSt, num_regs=STATE_REGS)
 

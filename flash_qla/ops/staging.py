@@ -1,11 +1,11 @@
 """Row stores of the transposed walks' register tiles: [BV, C] outputs (o; dv_new and dv) and
-the [BV, K] state.
+the [BV, K] state (h; dh).
 
 The transposed walks (fused_fwd_wide, fused_bwd_wide) hold their [C, BV] outputs as [BV, C]
 accumulators, one consumer warpgroup per 64 of the BV rows. `row_store` writes such a tile to
 x[t0 : t0 + valid, ih, v0 : v0 + BV] through a shared-memory staging tile [C, BV + STAGE_PAD],
-so that global stores are whole 16-byte row pieces; `state_store` writes the state Sᵀ to
-h[c, ih, :, v0 : v0 + BV] the same way. Each warpgroup stages and stores only its own
+so that global stores are whole 16-byte row pieces; `state_store` writes a state Sᵀ (the
+recompute's S, the backward walk's dS') to h[c, ih, :, v0 : v0 + BV] the same way. Each warpgroup stages and stores only its own
 64 columns, between named barriers of its own 128 threads: the walks' chains never wait for
 each other.
 """
@@ -65,8 +65,8 @@ def state_store(BV: int, K: int):
 
     St [BV, K] fragment, x_s [K, BV + STAGE_PAD] shared, tx the consumer thread index. Stored
     from the registers element by element instead, a warp's 2-byte stores touch 8 rows of h 256
-    bytes apart: the state recompute at 16/32 8x4096 took 0.351 ms against 0.289 staged
-    (benchmark/NOTES.md v13).
+    bytes apart: the state recompute at 16/32 8x4096 took 0.351 ms against 0.289 staged, the
+    backward walk 0.609 against 0.541 (benchmark/NOTES.md v13, v14).
     """
     stage = stage_transposed(BV, K)
 

@@ -24,6 +24,19 @@ class Case:
     extra: dict = field(default_factory=dict)
 
 
+def record_calls(monkeypatch, module, name):
+    """Wrap module.name (for the test's duration) so that each call's arguments are appended to the
+    returned list: which route a planner took, seen from outside."""
+    calls, original = [], getattr(module, name)
+
+    def recorded(*args):
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
 def _short_seqlens(n, seed):
     gen = torch.Generator().manual_seed(seed)
     return tuple(torch.randint(1, 90, (n,), generator=gen).tolist())

@@ -29,7 +29,7 @@ import flash_qla
 import flash_qla.ops.backward as backward_module
 import flash_qla.ops.forward as forward_module
 from flash_qla.reference.chunked import _forward_from_gcum, chunk_gated_delta_rule_bwd_ref, chunk_local_cumsum
-from gpu_cases import CASES, Case, case_inputs, rel_l2
+from gpu_cases import CASES, Case, case_inputs, record_calls, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -204,14 +204,7 @@ def test_checkpointed_recompute_is_exact(case, poisoned, monkeypatch):
     inputs = dict(x) if h0 is None else {**x, "initial_state": h0}
     do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
     dht = _randn((_num_seqs(case), case.heads[1], 128, 128), torch.float32, seed + 2)
-    walked_pieces = []
-    checkpoint_pieces = backward_module.checkpoint_pieces
-
-    def spy(*args):
-        walked_pieces.append(args)
-        return checkpoint_pieces(*args)
-
-    monkeypatch.setattr(backward_module, "checkpoint_pieces", spy)
+    walked_pieces = record_calls(monkeypatch, backward_module, "checkpoint_pieces")
     grads = {}
     for keep in (True, False):
         walked_pieces.clear()
@@ -243,13 +236,7 @@ def test_split_backward_matches_whole_walk(case, with_dht, poisoned, monkeypatch
     do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
     dht = _randn((1, case.heads[1], 128, 128), torch.float32, seed + 2) if with_dht else None
     g_cum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu)
-    split_backward_walk, splits = backward_module.split_backward_walk, []
-
-    def spy(*args):
-        splits.append(args)
-        return split_backward_walk(*args)
-
-    monkeypatch.setattr(backward_module, "split_backward_walk", spy)
+    splits = record_calls(monkeypatch, backward_module, "split_backward_walk")
     got = {}
     for split in (True, False):
         monkeypatch.setattr(backward_module, "splits_backward", lambda *args, split=split: split)

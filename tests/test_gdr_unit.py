@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import flash_qla
 from flash_qla.reference.chunked import chunk_gated_delta_rule_fwd_ref
 from flash_qla.reference.inputs import make_inputs
-from gpu_cases import CASES, Case, case_inputs, rel_l2
+from gpu_cases import CASES, Case, case_inputs, record_calls, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -96,13 +96,7 @@ def test_split_forward_matches_whole_walk(case, poisoned, monkeypatch):
     from flash_qla.ops import forward as forward_module
 
     x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
-    split_walk, splits = forward_module.split_walk, []
-
-    def spy(*args):
-        splits.append(args)
-        return split_walk(*args)
-
-    monkeypatch.setattr(forward_module, "split_walk", spy)
+    splits = record_calls(monkeypatch, forward_module, "split_walk")
     out = {}
     for split in (True, False):
         monkeypatch.setattr(forward_module, "splits_forward", lambda *args, split=split: split)

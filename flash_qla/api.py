@@ -115,17 +115,17 @@ def chunk_gated_delta_rule(
     state_v_first : bool
         States are laid out [N, Hv, V, K] instead of [N, Hv, K, V].
     auto_cp : bool
-        Let the planner split long sequences where that pays (GPU only). The forward walks a
-        single long sequence over few heads (2/8 at 32768 tokens; not several sequences yet)
+        Let the planner split long sequences where that pays (GPU only). The forward walks
+        long sequences over few heads (2/8 at one sequence of 16384 tokens or more, or two)
         in pieces of 32 chunks that run in parallel, each from its exact start state
         (DESIGN.md §1's exact route: o and final_state agree with the unsplit walk within
         rounding). With a gradient to compute, the GPU forward keeps the state every 32
         chunks (fp32, [T / 2048 + N, Hv, K, V] per call, saved for the backward) when long
         sequences over few heads would leave the backward's state recompute with too few
         blocks (and whenever the forward split: the pieces' start states are those states),
-        and the backward restarts it from them in parallel pieces. Where the forward splits a
-        sequence, the backward walk of its gradients splits it too (the same maps, walked
-        backward in time; the low-level chunk_gated_delta_rule_bwd takes auto_cp as well).
+        and the backward restarts it from them in parallel pieces. Where the forward splits its
+        sequences, the backward walk of the gradients splits them too (the same maps, walked
+        backward in time).
         The gradients are the same either way, up to rounding where the walks split.
     head_first : bool
         Must be False: [B, H, T, D] inputs are not supported.
@@ -187,8 +187,8 @@ def chunk_gated_delta_rule_fwd(
     output_h : bool
         Return h.
     auto_cp : bool
-        As for chunk_gated_delta_rule: a single long sequence over few heads walks in
-        pieces (the same results within rounding).
+        As for chunk_gated_delta_rule: long sequences over few heads walk in pieces (the
+        same results within rounding).
 
     Returns
     -------
@@ -254,8 +254,9 @@ def chunk_gated_delta_rule_bwd(
     dht : Tensor, [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), optional
         Gradient of final_state; None counts as zero.
     auto_cp : bool
-        As for chunk_gated_delta_rule: the backward walk of a single long sequence over few
-        heads runs in pieces (the same gradients within rounding).
+        The backward walk of a single long sequence over few heads runs in pieces, where
+        chunk_gated_delta_rule_fwd would split it (the same gradients within rounding; with
+        several sequences it cannot tell their lengths without a device sync, and runs whole).
 
     Returns
     -------

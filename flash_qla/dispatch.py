@@ -58,7 +58,8 @@ def _backward(
     q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints=None, maps=None, auto_cp=False
 ):
     """Core backward; g_cum, A, checkpoints and maps are what _forward returned, do [1, T, Hv, V],
-    dht [N, Hv, K, V] or None; auto_cp: the planner may walk a single long sequence in pieces.
+    dht [N, Hv, K, V] or None; auto_cp: the planner may walk a single long sequence in pieces
+    (after a forward that split, maps given, the backward walk splits the same pieces).
 
     Returns
     -------

@@ -8,7 +8,7 @@ from gpu_cases import CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
 from flash_qla.ops.backward import splits_backward
-from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table
+from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces, first_pieces
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
     RECOMPUTE_CHUNK_COST,
@@ -89,13 +89,18 @@ def test_checkpoints_kept_where_pieces_fill_the_gpu(seqlens, Hv, expected):
         ((16384,), 8, True),  # 8 pieces: measured 0.14 vs 0.26 ms
         ((8192,), 8, False),  # 4 pieces: measured 0.117 vs 0.132 ms, inside the margin
         ((2048,), 8, False),  # one piece
-        ((32768, 32768), 8, False),  # several sequences: not built
-        ((32768, 0), 8, False),
+        ((32768, 32768), 8, True),  # a few long sequences: 32 pieces x 8 heads
+        ((32768, 0), 8, True),  # a zero-length sequence has no piece
+        ((16384, 16384), 8, True),
+        ((8192,) * 4, 8, False),
+        ((4096,) * 8, 8, False),  # two pieces a sequence: three walks over them cost more than one
+        ((16384, 16384), 32, False),
     ],
     ids=["1x32768_8_heads", "1x65536_8_heads", "1x32768_4_heads", "1x32768_16_heads", "1x16384_16_heads",
-         "1x32768_32_heads", "1x16384_8_heads", "1x8192_8_heads", "1x2048", "2x32768", "32768+0"],  # fmt: skip
+         "1x32768_32_heads", "1x16384_8_heads", "1x8192_8_heads", "1x2048", "2x32768", "32768+0", "2x16384",
+         "4x8192", "8x4096", "2x16384_32_heads"],  # fmt: skip
 )
-def test_forward_splits_one_long_sequence_over_few_heads(seqlens, Hv, expected):
+def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
     assert splits_forward(seqlens, Hv, 128, SM90) == expected
 
 
@@ -145,6 +150,11 @@ def test_checkpoint_pieces(seqlens, every):
     # the pieces end where the next starts; those past the last are empty, at T
     assert set(bounds[n:].tolist()) == {sum(seqlens)}
     assert rows.max() < slots // every + 1 + len(seqlens)
+    # each sequence's first piece, the count last; the count again from the lengths alone
+    starts = [b for b, _, _ in want]
+    firsts = [sum(s < start for s in starts) for start in cu.tolist()]
+    assert first_pieces(cu, SM90.chunk, slots, every).tolist() == firsts
+    assert count_pieces(seqlens, SM90.chunk, every) == n
     assert checkpoint_rows(slots, len(seqlens), SM90) == slots // SM90.checkpoint_chunks + 1 + len(seqlens)
 
 

@@ -221,6 +221,8 @@ SPLIT_BACKWARD_CASES = [  # (case, pass dht); the split is forced
     (Case("split_bwd_piece_and_a_bit", (2049,), heads=(4, 16)), False),  # 33 chunks: a piece of one chunk
     (Case("split_bwd_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"), True),
     (Case("split_bwd_wide_h0", (20000,), heads=(2, 8), h0=True), True),  # V-tiles of 64
+    # several sequences: an empty one (dh0 = dht there), one inside a piece, unaligned pieces
+    (Case("split_bwd_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True), True),
 ]
 
 
@@ -234,7 +236,7 @@ def test_split_backward_matches_whole_walk(case, with_dht, poisoned, monkeypatch
     seed = zlib.crc32(case.id.encode())
     x, cu, h0 = case_inputs(case, seed)
     do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
-    dht = _randn((1, case.heads[1], 128, 128), torch.float32, seed + 2) if with_dht else None
+    dht = _randn((_num_seqs(case), case.heads[1], 128, 128), torch.float32, seed + 2) if with_dht else None
     g_cum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu)
     splits = record_calls(monkeypatch, backward_module, "split_backward_walk")
     got = {}
@@ -257,6 +259,27 @@ def test_split_backward_matches_whole_walk(case, with_dht, poisoned, monkeypatch
     assert (got[True][5] is None) == (h0 is None)
     for name, g in zip(names, got[True]):
         assert g is None or torch.isfinite(g).all(), f"{name} has unwritten (NaN) or non-finite elements"
+    assert all(err <= GRAD_TOL for err in errors.values()), errors
+
+
+def test_split_training_matches_reference(poisoned, monkeypatch):
+    """Training with the forward split forced over several sequences: the forward hands its maps
+    to the backward, whose walk splits the same pieces; every gradient vs the reference."""
+    case = Case("split_train_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True)
+    seed = zlib.crc32(case.id.encode())
+    x, cu, h0 = case_inputs(case, seed)
+    do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
+    dht = _randn((_num_seqs(case), 8, 128, 128), torch.float32, seed + 2)
+    monkeypatch.setattr(forward_module, "splits_forward", lambda *args: True)
+    split_walks = record_calls(monkeypatch, backward_module, "split_backward_walk")
+    inputs = {**x, "initial_state": h0}
+    got = _grads(flash_qla_gdr, inputs, do, dht, cu_seqlens=cu)
+    want = _grads(reference_gdr, {name: t.float() for name, t in inputs.items()}, do, dht, cu_seqlens=cu)
+    assert len(split_walks) == 1 and isinstance(split_walks[0][2], torch.Tensor), "the forward's maps were handed over"
+    errors = {name: rel_l2(got[name], want[name]) for name in want}
+    print(case.id, {name: f"{err:.2e}" for name, err in errors.items()})
+    for name in want:
+        assert torch.isfinite(got[name]).all(), f"{name} has unwritten (NaN) or non-finite elements"
     assert all(err <= GRAD_TOL for err in errors.values()), errors
 
 

@@ -82,10 +82,12 @@ def test_low_level_forward_intermediates(case, poisoned):
 # The composition of the maps: three bf16 products keep ~16 bits of each operand (1.5e-5), summed
 # over 128 terms a product and a few pieces.
 COMPOSE_TOL = 1e-4
-SPLIT_CASES = [  # single sequences the planner would leave whole: the split is forced
+SPLIT_CASES = [  # sequences the planner would leave whole: the split is forced
     Case("split_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True),  # 5 pieces, the last partial
     Case("split_one_piece_and_a_bit", (2049,), heads=(4, 16)),  # 33 chunks: a piece of one chunk
     Case("split_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"),
+    # several sequences: an empty one, one inside a piece, pieces not aligned to a sequence start
+    Case("split_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True),
 ]
 
 
@@ -117,29 +119,33 @@ def test_split_forward_matches_whole_walk(case, poisoned, monkeypatch):
 @pytest.mark.parametrize("has_s0", [False, True])
 @pytest.mark.parametrize("decay", [0.9, 1e-3], ids=["keeps", "forgets"])
 def test_compose_maps_gives_every_start_state(has_s0, decay, reverse):
-    """S_0 = s0, S_{j+1} = M_j S_j + b_j, against a float64 loop; maps that forget the state
-    (M ≈ 0) included, where one bf16 product would leave the rounding of S behind. Reverse (the
-    backward's): the pieces last to first, each map transposed."""
+    """S_0 = s0, S_{j+1} = M_j S_j + b_j over each sequence's pieces, against a float64 loop; maps
+    that forget the state (M ≈ 0) included, where one bf16 product would leave the rounding of S
+    behind. Reverse (the backward's): the pieces last to first, each map transposed."""
     from flash_qla.arch import get_profile
     from flash_qla.ops.buffers import placeholder
     from flash_qla.ops.compose_maps import compose_maps_kernel
 
-    n, Hv, K = 17, 8, 128
+    counts, Hv, K = (5, 0, 12), 8, 128  # pieces of each sequence: 17 in all, the second has none
+    n, N = sum(counts), len(counts)
+    first_pieces = torch.tensor([0, 5, 5, 17], dtype=torch.int32, device="cuda")
     gen = torch.Generator().manual_seed(3)
     M = (decay * torch.eye(K) + torch.randn(n, Hv, K, K, generator=gen) * (0.1 * decay / K**0.5)).cuda()
     b = torch.randn(n, Hv, K, K, generator=gen).cuda()
-    s0 = torch.randn(1, Hv, K, K, generator=gen).cuda() if has_s0 else None
+    s0 = torch.randn(N, Hv, K, K, generator=gen).cuda() if has_s0 else None
     starts = torch.full((n, Hv, K, K), float("nan"), device="cuda")
     # D = M − I as the maps' walk writes it: rounded to bf16 (hi), beside the rest (lo)
     d = M - torch.eye(K, device="cuda")
     hi = d.bfloat16()
     D = torch.cat([hi, (d - hi.float()).bfloat16()], dim=-1)
     kernel = compose_maps_kernel(Hv, K, K, get_profile(M.device), has_s0, reverse)
-    kernel(D, b, s0 if has_s0 else placeholder(M.device, Hv, K, K), starts)
-    S = s0[0].double() if has_s0 else torch.zeros(Hv, K, K, dtype=torch.float64, device="cuda")
-    for j in range(n - 1, -1, -1) if reverse else range(n):
-        assert rel_l2(starts[j], S.float()) <= COMPOSE_TOL, (j, rel_l2(starts[j], S.float()))
-        S = (M[j].mT if reverse else M[j]).double() @ S + b[j].double()
+    kernel(D, b, first_pieces, s0 if has_s0 else placeholder(M.device, Hv, K, K), starts)
+    for seq in range(N):
+        S = s0[seq].double() if has_s0 else torch.zeros(Hv, K, K, dtype=torch.float64, device="cuda")
+        pieces = range(first_pieces[seq].item(), first_pieces[seq + 1].item())
+        for j in reversed(pieces) if reverse else pieces:
+            assert rel_l2(starts[j], S.float()) <= COMPOSE_TOL, (seq, j, rel_l2(starts[j], S.float()))
+            S = (M[j].mT if reverse else M[j]).double() @ S + b[j].double()
 
 
 def test_kkt_gates_are_the_gate_exponentials():

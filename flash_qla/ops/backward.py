@@ -19,8 +19,9 @@ Reads like flash_qla/reference/backward_stages.py:
      state the forward walk had there, and walks the same arithmetic). Training step, H200:
      16/32 1x32768 4.05 -> 3.78 ms, 2/8 1x32768 2.24 -> 1.81 (benchmark/NOTES.md v11);
   3. the backward walk (fused_bwd_wide for V-tiles of 64 or 128 columns, fused_bwd for
-     narrower ones): the state gradients dS' walked backward in time, dv, dv_new, dh0. A
-     single long sequence over few heads walks in pieces, as the forward does (splits_backward,
+     narrower ones): the state gradients dS' walked backward in time, dv, dv_new, dh0. Long
+     sequences over few heads walk in pieces where the forward split them (it hands over its
+     maps) or, without them, a single sequence where the forward would (splits_backward,
      flash_qla.ops.context_parallel.split_backward_walk);
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel.
@@ -60,7 +61,9 @@ def splits_backward(n_seqs: int, T: int, Hv: int, V: int, profile: ArchProfile) 
     """Whether the backward walk runs a single sequence of T tokens in pieces
     (flash_qla.ops.context_parallel.split_backward_walk): where the forward walk would. The
     backward's are the same chains over the same pieces, with the costlier chunk step, and a
-    map walk of the forward's kind, so the split gains at least as much."""
+    map walk of the forward's kind, so the split gains at least as much. Several sequences split
+    only after a training forward that split them (it hands its maps over): here their lengths,
+    on the device, are unknown."""
     return n_seqs == 1 and splits_forward((T,), Hv, V, profile)
 
 
@@ -70,7 +73,7 @@ def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_
     q, k [1, T, Hqk, K]; v, do [1, T, Hv, V]; g_cum, beta [1, T, Hv]; A [1, T, Hv, 64];
     cu_seqlens [N + 1] int32; dht, initial_state [N, Hv, K, V] float32 or None;
     checkpoints, maps: what the forward returned for them, or None; auto_cp: the backward walk
-    may split a single long sequence (splits_backward).
+    may split a single long sequence (splits_backward; with maps it splits their pieces).
     """
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
         return _backward_kernels(
@@ -127,12 +130,13 @@ def _backward_kernels(
         placeholder if h0 is None else h0.contiguous(), v, ht, h, scale,
     )  # fmt: skip
 
-    # 3. state gradients, backward in time, over the sequences or over pieces of a single one
+    # 3. state gradients, backward in time, over the sequences or over pieces of them
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
     dv_new, dv = buffers.new(v.shape, v.dtype, q.device), buffers.new(v.shape, v.dtype, q.device)
     has_dht, has_h0 = dht is not None, initial_state is not None
     dht = dht.to(f32).contiguous() if has_dht else None
-    if auto_cp and splits_backward(N, T, Hv, V, profile):
+    # a training forward that split hands its maps over: the same pieces then
+    if maps is not None or (auto_cp and splits_backward(N, T, Hv, V, profile)):
         pieces = checkpoint_pieces_expected(N, T, profile)
         BV = choose_block_v(pieces, Hv, V, profile)
         BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
@@ -144,8 +148,8 @@ def _backward_kernels(
             )
         dh0 = split_backward_walk(
             executable(walk), executable(ends_walk), maps, walk_gate(BV_maps, gamma, gates),
-            walk_gate(BV, gamma, gates), q, k, v, do, A, P, cu_seqlens, slots, pieces, scale, dht, dh, dv_new, dv,
-            has_h0, profile,
+            walk_gate(BV, gamma, gates), q, k, v, do, A, P, cu_seqlens, slots, scale, dht, dh, dv_new, dv, has_h0,
+            profile,
         )  # fmt: skip
     else:
         BV = choose_block_v(N, Hv, V, profile)

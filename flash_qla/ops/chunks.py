@@ -64,3 +64,26 @@ def checkpoint_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: i
     row = torch.where(seq_start, slots // every + 1 + seq, (j // every).long())
     rows = torch.zeros(n_pieces + 2, dtype=torch.int64, device=j.device).scatter_(0, dest, row)
     return bounds, first_chunks[: n_pieces + 1], rows[:n_pieces]
+
+
+@cache_last
+def first_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int) -> torch.Tensor:
+    """[N + 1] int32: the index of each sequence's first piece of checkpoint_pieces (a zero-length
+    sequence has none: the next index), the number of non-empty pieces last. On the device, no sync."""
+    bounds = checkpoint_pieces(cu_seqlens, chunk, slots, every)[0]
+    # piece i starts at bounds[i] (those past the last at T): sequence n's first piece is the
+    # first to start at or after its first token
+    return torch.searchsorted(bounds[:-1], cu_seqlens, out_int32=True)
+
+
+
+def count_pieces(seqlens, chunk: int, every: int) -> int:
+    """The number of non-empty pieces of checkpoint_pieces, from the sequence lengths (host ints):
+    a sequence's first chunk starts one, and so does each global chunk m · every after it."""
+    pieces, first = 0, 0
+    for n in seqlens:
+        chunks = -(-n // chunk)
+        if chunks:
+            pieces += 1 + (first + chunks - 1) // every - first // every
+        first += chunks
+    return pieces

@@ -1,6 +1,6 @@
 """The start state of every piece of a split sequence, from the pieces' affine maps.
 
-Computes, for consecutive pieces j of one sequence and every v-head, with M_j [K, K] and
+Computes, for the consecutive pieces j of each sequence and every v-head, with M_j [K, K] and
 b_j [K, V] the maps S_end = M_j S_start + b_j (flash_qla.ops.context_parallel):
 
     S_0 = s0 (the initial state, or 0),   S_{j+1} = S_j + D_j S_j + b_j,   D_j = M_j − I
@@ -22,11 +22,13 @@ parallel, so the sequential part here converts only S.
 Inputs:
     D       [pieces, Hv, K, 2 K] bf16: D_j = M_j − I, D_hi in columns [0, K), D_lo in [K, 2 K)
     b       [pieces, Hv, K, V] fp32
-    s0      [1, Hv, K, V] fp32 (read when HAS_S0)
+    first_pieces [N + 1] int32: sequence n's pieces are rows first_pieces[n] .. first_pieces[n + 1] − 1
+            (flash_qla.ops.chunks.first_pieces; rows past the last are never read)
+    s0      [N, Hv, K, V] fp32 (read when HAS_S0)
 Outputs:
     starts  [pieces, Hv, K, V] fp32 (REVERSE: the pieces' end-state gradients)
 
-Schedule: grid (V / BV, Hv), a block walks the pieces in order with its [K, BV] slice of S
+Schedule: grid (V / BV, Hv, N), a block walks its sequence's pieces with its [K, BV] slice of S
 in fp32 registers (the products' accumulator). T.Pipelined streams each piece's D halves and
 b slice through a two-stage TMA ring (TileLang's warp specialization: a producer warpgroup,
 one consumer warpgroup), so the next piece's 72 KB arrive under this piece's products (the
@@ -53,17 +55,22 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
     REVERSE: the backward walk's composition, transposed maps over the pieces last to first.
     """
     pieces = T.dynamic("pieces")
+    n_seqs = T.dynamic("n_seqs")
+    n_s0 = T.dynamic("n_s0")  # N, or 1 for the placeholder when not HAS_S0
     f32, bf16 = "float32", "bfloat16"
 
     @T.prim_func
     def compose_maps(
         D: T.Tensor([pieces, Hv, K, 2 * K], bf16),
         b: T.Tensor([pieces, Hv, K, V], f32),
-        s0: T.Tensor([1, Hv, K, V], f32),
+        first_pieces: T.Tensor([n_seqs + 1], "int32"),
+        s0: T.Tensor([n_s0, Hv, K, V], f32),
         starts: T.Tensor([pieces, Hv, K, V], f32),
     ):
-        with T.Kernel(V // BV, Hv, threads=profile.threads) as (iv, ih):
+        with T.Kernel(V // BV, Hv, n_seqs, threads=profile.threads) as (iv, ih, n):
             v0 = iv * BV
+            first = first_pieces[n]
+            count = first_pieces[n + 1] - first
             d_hi = T.alloc_shared([K, K], bf16)
             d_lo = T.alloc_shared([K, K], bf16)
             b_s = T.alloc_shared([K, BV], f32)
@@ -72,11 +79,11 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
             S = T.alloc_fragment([K, BV], f32)
 
             if HAS_S0:
-                T.copy(s0[0, ih, :, v0:v0 + BV], S)
+                T.copy(s0[n, ih, :, v0:v0 + BV], S)
             else:
                 T.clear(S)
-            for r in T.Pipelined(pieces, num_stages=2):
-                j = pieces - 1 - r if REVERSE else r
+            for r in T.Pipelined(count, num_stages=2):
+                j = first + (count - 1 - r if REVERSE else r)
                 T.copy(D[j, ih, :, 0:K], d_hi)
                 T.copy(D[j, ih, :, K:2 * K], d_lo)
                 T.copy(b[j, ih, :, v0:v0 + BV], b_s)

@@ -1,4 +1,4 @@
-"""Context-parallel walks, exact route (DESIGN.md §1): one long sequence over few heads.
+"""Context-parallel walks, exact route (DESIGN.md §1): long sequences over few heads.
 
 A single sequence gives the forward walk Hv · V / BV chains of all its chunks (2/8 at 32768
 tokens: 64 chains of 512 chunks, half the SMs idle). Here the sequence is cut into pieces of
@@ -24,8 +24,11 @@ H200 (benchmark/NOTES.md v12-v13), 2/8 1x32768: the forward 0.599 ms whole, 0.46
 the maps from the backward's recompute (a zero V and identity start states as tensors, every
 chunk's state stored), 0.328 with the MAPS walks, 0.288 with compose_maps reading D ready-made
 (the walks over pieces 45 µs each, the composition 36); the training step 1.53 ms against 2.24
-with auto_cp off (here the start states are the checkpoints: no checkpointing walk). Only
-single sequences split: the composition runs one sequence's pieces.
+with auto_cp off (here the start states are the checkpoints: no checkpointing walk). Several
+sequences split alike: the walks run all their pieces at once, the composition one block per
+sequence, head and V-tile over that sequence's pieces (flash_qla.ops.chunks.first_pieces); a
+zero-length sequence has none (its final state is its initial state). 2/8 2x16384: forward
+0.341 -> 0.276 ms, training step 1.166 -> 0.972 (v14).
 
 The backward walk splits the same way, walked last to first. Over a piece it maps the state
 gradient at the piece's end affinely to the one at its start, dS_start = Mᵀ dS_end + b', with
@@ -42,7 +45,7 @@ within 1.3e-3 of the whole walk's. H200 (benchmark/NOTES.md v14): the low-level 
 import torch
 
 from flash_qla.ops import buffers
-from flash_qla.ops.chunks import checkpoint_pieces
+from flash_qla.ops.chunks import checkpoint_pieces, count_pieces, first_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.launch import executable
 
@@ -60,26 +63,30 @@ def _maps_of_pieces(maps, maps_gate, q, k, v, A, P, bounds, firsts, placeholder,
 
 
 def split_walk(
-    walk, walk_gate, maps, offsets, maps_gate, q, k, v, A, P, cu_seqlens, slots, pieces, scale, initial_state, h,
+    walk, walk_gate, maps, offsets, maps_gate, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state, h,
     profile,
 ):
-    """o, the final state and the pieces' start states of one sequence, walked in pieces.
+    """o, the final states and the pieces' start states of the sequences, walked in pieces.
 
     walk / maps / offsets: the TileLang executables of the forward walk (HAS_H0, storing h when h
     is given) and of the walks giving M (MAPS) and b (STATES_ONLY, from S = 0, no h), walk_gate /
     maps_gate their gate inputs (flash_qla.ops.forward.walk_gate; maps and offsets run one
-    width); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as
-    the forward walk takes them; cu_seqlens [2] (one sequence of T > 0 tokens) and its number of
-    pieces; initial_state [1, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None.
+    width); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as the forward walk takes them;
+    cu_seqlens [N + 1] and the lengths it holds (host ints); initial_state [N, Hv, K, V] float32
+    or None; h [chunks, Hv, K, V] float32 or None.
 
-    Returns o [T, Hv, V], final_state [1, Hv, K, V], (starts [pieces, Hv, K, V], rows
-    [pieces]): each piece's start state and its row in a forward's checkpoint buffer
+    Returns o [T, Hv, V], final_state [N, Hv, K, V], (starts [pieces, Hv, K, V], rows
+    [pieces]): each non-empty piece's start state and its row in a forward's checkpoint buffer
     (flash_qla.ops.forward.checkpoint_rows), which the start states are, and the maps
-    D [pieces, Hv, K, 2 K] as compose_maps reads them (a backward walk's split reuses them).
+    D [n, Hv, K, 2 K] as compose_maps reads them, a row for each of checkpoint_pieces' n pieces
+    (a backward walk's split reuses them).
     """
     _, Hv, V = v.shape
     K = q.shape[-1]
-    bounds, firsts, rows = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
+    C, E = profile.chunk, profile.checkpoint_chunks
+    bounds, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, E)
+    seq_pieces = first_pieces(cu_seqlens, C, slots, E)
+    pieces = count_pieces(seqlens, C, E)
     n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
     f32, device = torch.float32, v.device
     placeholder = buffers.placeholder(device, Hv, K, V)
@@ -90,33 +97,38 @@ def split_walk(
     offsets(q, k, v, maps_gate, A, P, bounds, firsts, placeholder, v, b, placeholder, scale)
     starts = buffers.new((n, Hv, K, V), f32, device)
     compose = compose_maps_kernel(Hv, K, V, profile, initial_state is not None)
-    executable(compose)(D, b, placeholder if initial_state is None else initial_state, starts)
+    executable(compose)(D, b, seq_pieces, placeholder if initial_state is None else initial_state, starts)
 
     o = buffers.new(v.shape, v.dtype, device)
     ends = buffers.new((n, Hv, K, V), f32, device)
     walk(q, k, v, walk_gate, A, P, bounds, firsts, starts, o, ends, placeholder if h is None else h, scale)
-    # the last non-empty piece's end is the sequence's (a copy: the other ends are not kept)
-    return o, ends[pieces - 1:pieces].clone(), (starts, rows), D[:pieces]
+    # each sequence's last piece ends at its final state (a zero-length one keeps its initial state)
+    final_state = ends.index_select(0, (seq_pieces[1:] - 1).clamp_(min=0))
+    if 0 in seqlens:
+        empty = (seq_pieces[1:] == seq_pieces[:-1]).view(-1, 1, 1, 1)
+        final_state = torch.where(empty, 0.0 if initial_state is None else initial_state, final_state)
+    return o, final_state, (starts[:pieces], rows[:pieces]), D
 
 
 def split_backward_walk(
-    walk, ends_walk, maps, maps_gate, gate, q, k, v, do, A, P, cu_seqlens, slots, pieces, scale, dht, dh, dv_new, dv,
+    walk, ends_walk, maps, maps_gate, gate, q, k, v, do, A, P, cu_seqlens, slots, scale, dht, dh, dv_new, dv,
     store_dh0, profile,
 ):
-    """The backward walk of one sequence in pieces: fills dh, dv_new and dv, returns dh0.
+    """The backward walk of the sequences in pieces: fills dh, dv_new and dv, returns dh0.
 
     walk / ends_walk: the TileLang executables of the backward walk from per-piece end gradients
     (HAS_DHT, STORE_DH0 = store_dh0) and of the one from zero keeping only the pieces' start
-    gradients (ENDS_ONLY), both taking `gate`; maps: the pieces' D [pieces, Hv, K, 2 K] from a
-    forward that split the same sequence (split_walk), or the executable of the forward's MAPS
+    gradients (ENDS_ONLY), both taking `gate`; maps: the pieces' D [n, Hv, K, 2 K] from a
+    forward that split the same sequences (split_walk), or the executable of the forward's MAPS
     walk that forms them, taking maps_gate; q, k, v, do, A, P as the walks take them;
-    cu_seqlens [2] (one sequence of T > 0 tokens) and its number of pieces; dht [1, Hv, K, V]
-    float32 or None; dh [slots, Hv, K, V], dv_new, dv [T, Hv, V]: the outputs. Returns dh0
-    [1, Hv, K, V] float32 when store_dh0, else None.
+    cu_seqlens [N + 1]; dht [N, Hv, K, V] float32 or None; dh [slots, Hv, K, V], dv_new,
+    dv [T, Hv, V]: the outputs. Returns dh0 [N, Hv, K, V] float32 when store_dh0, else None.
     """
     _, Hv, V = v.shape
     K = q.shape[-1]
-    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
+    C, E = profile.chunk, profile.checkpoint_chunks
+    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, C, slots, E)
+    seq_pieces = first_pieces(cu_seqlens, C, slots, E)
     n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
     f32, device = torch.float32, v.device
     placeholder = buffers.placeholder(device, Hv, K, V)
@@ -128,7 +140,14 @@ def split_backward_walk(
     # every piece's end gradient; the rows of the empty pieces past the last are read, not used
     ends = buffers.new((n, Hv, K, V), f32, device)
     compose = compose_maps_kernel(Hv, K, V, profile, dht is not None, True)
-    executable(compose)(D[:pieces], offsets[:pieces], placeholder if dht is None else dht, ends[:pieces])
+    executable(compose)(D, offsets, seq_pieces, placeholder if dht is None else dht, ends)
     starts = buffers.new((n, Hv, K, V), f32, device) if store_dh0 else placeholder
     walk(q, k, do, gate, A, P, bounds, firsts, ends, dh, dv_new, dv, starts, scale)
-    return starts[:1] if store_dh0 else None
+    if not store_dh0:
+        return None
+    # each sequence's first piece starts at dh0 (a zero-length one passes dht through)
+    dh0 = starts.index_select(0, seq_pieces[:-1].clamp(max=n - 1))
+    if cu_seqlens.numel() > 2:  # one sequence of T > 0 tokens has no empty one
+        empty = (seq_pieces[1:] == seq_pieces[:-1]).view(-1, 1, 1, 1)
+        dh0 = torch.where(empty, 0.0 if dht is None else dht, dh0)
+    return dh0

@@ -3,8 +3,8 @@
 Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk over the
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
-for narrower ones. A single long sequence over few heads walks in pieces instead
-(splits_forward, flash_qla.ops.context_parallel). A training forward may keep state
+for narrower ones. Long sequences over few heads walk in pieces instead (splits_forward,
+flash_qla.ops.context_parallel). A training forward may keep state
 checkpoints for the backward's recompute (keeps_checkpoints, flash_qla.ops.backward).
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
-from flash_qla.ops.chunks import chunk_offsets_of, chunk_table
+from flash_qla.ops.chunks import chunk_offsets_of, chunk_table, count_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.context_parallel import split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
@@ -129,22 +129,23 @@ SPLIT_FIXED = 15
 
 
 def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
-    """Whether the forward walks a single sequence in pieces of profile.checkpoint_chunks chunks
+    """Whether the forward walks its sequences in pieces of profile.checkpoint_chunks chunks
     (flash_qla.ops.context_parallel, the exact route of DESIGN.md §1).
 
-    Pays where the sequence is long and Hv · V / BV chains leave SMs idle (2/8 or 4/16 at 16384
-    tokens and more); several sequences are left whole (the composition of the maps is per
-    sequence; not built).
+    Pays where sequences are long and Hv · V / BV chains leave SMs idle (2/8 or 4/16 at one
+    sequence of 16384 tokens and more, or a few such sequences). The model's walks over pieces
+    count the waves of all pieces (equal lengths assumed, as in walk_time); the composition runs
+    the sequences side by side, as long as the longest one's pieces.
     """
     every = profile.checkpoint_chunks
-    if len(seqlens) != 1 or seqlens[0] <= every * profile.chunk:
+    chunks = [-(-n // profile.chunk) for n in seqlens if n > 0]
+    if not chunks or max(chunks) <= every:
         return False
-    chunks = -(-seqlens[0] // profile.chunk)
-    pieces = -(-chunks // every)
+    pieces = sum(-(-c // every) for c in chunks)
     maps = 2 * walk_time(pieces, every, Hv, V, profile, RECOMPUTE_CHUNK_COST)
     walks = PIECE_WALKS * (maps + walk_time(pieces, every, Hv, V, profile, CHUNK_COST))
-    split = walks + COMPOSE_PIECE * pieces + SPLIT_FIXED
-    return split <= SPLIT_GAIN * walk_time(1, chunks, Hv, V, profile, CHUNK_COST)
+    split = walks + COMPOSE_PIECE * -(-max(chunks) // every) + SPLIT_FIXED
+    return split <= SPLIT_GAIN * walk_time(len(chunks), max(chunks), Hv, V, profile, CHUNK_COST)
 
 
 def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
@@ -232,20 +233,20 @@ def _forward_kernels(
         checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), torch.float32, device)
 
     if split:  # pieces: the start states are the checkpoints
-        pieces = checkpoint_pieces_expected(N, T, profile)
+        pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
         BV = choose_block_v(pieces, Hv, V, profile)
         BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
         walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, output_h)
         # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY)
-        maps = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
+        map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
         offsets = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True)
         o, final_state, (starts, rows), D = split_walk(
-            executable(walk), walk_gate(BV, gamma, gates), executable(maps), executable(offsets),
-            walk_gate(BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, pieces, scale, h0, h, profile,
+            executable(walk), walk_gate(BV, gamma, gates), executable(map_walk), executable(offsets),
+            walk_gate(BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, profile,
         )  # fmt: skip
         if checkpoints is not None:
-            checkpoints.index_copy_(0, rows[:pieces], starts[:pieces])
-            maps = D  # the backward walk splits the same pieces (flash_qla.ops.backward.splits_backward)
+            checkpoints.index_copy_(0, rows, starts)
+            maps = D  # the backward walk splits the same pieces (flash_qla.ops.backward)
     else:
         if checkpoints is not None:  # the rows of the sequences' initial states
             first_rows = checkpoints[checkpoints.shape[0] - N:]

@@ -76,7 +76,6 @@ def first_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int) -
     return torch.searchsorted(bounds[:-1], cu_seqlens, out_int32=True)
 
 
-
 def count_pieces(seqlens, chunk: int, every: int) -> int:
     """The number of non-empty pieces of checkpoint_pieces, from the sequence lengths (host ints):
     a sequence's first chunk starts one, and so does each global chunk m · every after it."""

@@ -51,7 +51,8 @@ from flash_qla.ops.launch import executable
 
 
 def _maps_of_pieces(maps, maps_gate, q, k, v, A, P, bounds, firsts, placeholder, scale):
-    """D [pieces, Hv, K, 2 K]: M − I of every piece, as compose_maps reads it, from `maps` (the
+    """D [n, Hv, K, 2 K]: M − I of each of checkpoint_pieces' n pieces (the rows of the empty ones
+    past the last unused), as compose_maps reads it, from `maps` (the
     executable of the forward walk's MAPS variant, which reads neither v nor h0: v, of o's shape
     and dtype, and the placeholder stand in)."""
     _, Hv, V = v.shape

@@ -254,9 +254,9 @@ def chunk_gated_delta_rule_bwd(
     dht : Tensor, [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), optional
         Gradient of final_state; None counts as zero.
     auto_cp : bool
-        The backward walk of a single long sequence over few heads runs in pieces, where
-        chunk_gated_delta_rule_fwd would split it (the same gradients within rounding; with
-        several sequences it cannot tell their lengths without a device sync, and runs whole).
+        The backward walk of long sequences over few heads runs in pieces where
+        chunk_gated_delta_rule_fwd would split them (the same gradients within rounding; the
+        lengths are those validation read from cu_seqlens: no second sync).
 
     Returns
     -------
@@ -276,6 +276,6 @@ def chunk_gated_delta_rule_bwd(
         _default_scale(scale, q),
         _state_in(initial_state, state_v_first, q),
         _packed_cu_seqlens(cu_seqlens, q),
-        auto_cp=auto_cp,
+        seqlens=_planned_seqlens(cu_seqlens, B, T) if auto_cp else None,
     )
     return (*(_unpack(x, B, T) for x in (dq, dk, dv, dbeta, dg)), _state_out(dh0, state_v_first))

@@ -18,13 +18,13 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints, maps)
         ctx.scale = scale
         ctx.g_dtype = g.dtype
-        ctx.auto_cp = seqlens is not None
+        ctx.seqlens = seqlens  # the backward plans from the same lengths
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints, maps = ctx.saved_tensors
         dq, dk, dv, dbeta, dg, dh0 = _backward(
-            q, k, v, g_cum, beta, A, do, dht, ctx.scale, initial_state, cu_seqlens, checkpoints, maps, ctx.auto_cp
+            q, k, v, g_cum, beta, A, do, dht, ctx.scale, initial_state, cu_seqlens, checkpoints, maps, ctx.seqlens
         )
         return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None, dh0, None, None, None

@@ -55,11 +55,12 @@ def _forward(
 
 
 def _backward(
-    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints=None, maps=None, auto_cp=False
+    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints=None, maps=None, seqlens=None
 ):
     """Core backward; g_cum, A, checkpoints and maps are what _forward returned, do [1, T, Hv, V],
-    dht [N, Hv, K, V] or None; auto_cp: the planner may walk a single long sequence in pieces
-    (after a forward that split, maps given, the backward walk splits the same pieces).
+    dht [N, Hv, K, V] or None; seqlens: the sequence lengths for the planner, as for _forward,
+    which may then walk long sequences in pieces where the forward would (after a forward that
+    split, maps given, the backward walk splits the same pieces); None plans nothing.
 
     Returns
     -------
@@ -73,6 +74,6 @@ def _backward(
 
         _check_kernel_inputs(q, v)
         return backward_kernels(
-            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, auto_cp
+            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, seqlens
         )
     return chunk_gated_delta_rule_bwd_ref(q, k, v, g_cum, beta, do, dht, scale, initial_state, cu_seqlens)

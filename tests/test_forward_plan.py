@@ -7,7 +7,6 @@ import torch
 from gpu_cases import CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
-from flash_qla.ops.backward import splits_backward
 from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces, first_pieces
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
@@ -236,18 +235,3 @@ def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
     built.clear()
     assert precompile_main(["--heads", "4/8", "--forward-only", "--cache-dir", str(tmp_path)]) == 0
     assert built == [("fwd", 4, 8, "bfloat16")]
-
-
-@pytest.mark.parametrize(
-    "n_seqs,T,Hv,expected",
-    [
-        (1, 32768, 8, True),  # where the forward walk splits
-        (1, 32768, 16, True),
-        (1, 32768, 32, False),  # the forward walk runs whole here too
-        (1, 8192, 8, False),
-        (2, 32768, 8, False),  # several sequences: not built
-    ],
-    ids=["1x32768_8_heads", "1x32768_16_heads", "1x32768_32_heads", "1x8192_8_heads", "2_seqs"],
-)
-def test_backward_walk_splits_where_the_forward_walk_does(n_seqs, T, Hv, expected):
-    assert splits_backward(n_seqs, T, Hv, 128, SM90) == expected

@@ -216,34 +216,40 @@ def test_checkpointed_recompute_is_exact(case, poisoned, monkeypatch):
         assert torch.equal(got, grads[False][name]), name
 
 
-SPLIT_BACKWARD_CASES = [  # (case, pass dht); the split is forced
-    (Case("split_bwd_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), True),  # V-tiles of 32
-    (Case("split_bwd_piece_and_a_bit", (2049,), heads=(4, 16)), False),  # 33 chunks: a piece of one chunk
-    (Case("split_bwd_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"), True),
-    (Case("split_bwd_wide_h0", (20000,), heads=(2, 8), h0=True), True),  # V-tiles of 64
+SPLIT_BACKWARD_CASES = [  # (case, pass dht, the split forced: else the planner's own)
+    (Case("split_bwd_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), True, True),  # V-tiles of 32
+    (Case("split_bwd_piece_and_a_bit", (2049,), heads=(4, 16)), False, True),  # 33 chunks: a piece of one chunk
+    (Case("split_bwd_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"), True, True),
+    (Case("split_bwd_wide_h0", (20000,), heads=(2, 8), h0=True), True, True),  # V-tiles of 64
     # several sequences: an empty one (dh0 = dht there), one inside a piece, unaligned pieces
-    (Case("split_bwd_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True), True),
+    (Case("split_bwd_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True), True, True),
+    # the planner splits two sequences from the lengths validation read, as the forward would
+    (Case("split_bwd_planned_2x16384", (16384, 16384), heads=(2, 8)), True, False),
 ]
 
 
 @pytest.mark.parametrize(
-    "case,with_dht", SPLIT_BACKWARD_CASES, ids=[f"{c.id}-{'dht' if d else 'no_dht'}" for c, d in SPLIT_BACKWARD_CASES]
+    "case,with_dht,forced",
+    SPLIT_BACKWARD_CASES,
+    ids=[f"{c.id}-{'dht' if d else 'no_dht'}" for c, d, _ in SPLIT_BACKWARD_CASES],
 )
-def test_split_backward_matches_whole_walk(case, with_dht, poisoned, monkeypatch):
+def test_split_backward_matches_whole_walk(case, with_dht, forced, poisoned, monkeypatch):
     """The backward walked in pieces from their composed end gradients
     (flash_qla.ops.context_parallel.split_backward_walk) gives the gradients of the walk over the
-    whole sequence, up to rounding: each within GRAD_TOL of the reference."""
+    whole sequence, up to rounding: each within GRAD_TOL of the reference. auto_cp on splits (the
+    planner forced to, or by its own decision), off walks whole."""
     seed = zlib.crc32(case.id.encode())
     x, cu, h0 = case_inputs(case, seed)
     do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
     dht = _randn((_num_seqs(case), case.heads[1], 128, 128), torch.float32, seed + 2) if with_dht else None
     g_cum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu)
+    if forced:
+        monkeypatch.setattr(backward_module, "splits_forward", lambda *args: True)
     splits = record_calls(monkeypatch, backward_module, "split_backward_walk")
     got = {}
     for split in (True, False):
-        monkeypatch.setattr(backward_module, "splits_backward", lambda *args, split=split: split)
         got[split] = flash_qla.chunk_gated_delta_rule_bwd(
-            x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu
+            x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu, auto_cp=split
         )
     assert len(splits) == 1, "the backward walk split exactly when the planner said so"
     q, k, v, beta = (x[name].float() for name in ("q", "k", "v", "beta"))

@@ -21,8 +21,8 @@ Reads like flash_qla/reference/backward_stages.py:
   3. the backward walk (fused_bwd_wide for V-tiles of 64 or 128 columns, fused_bwd for
      narrower ones): the state gradients dS' walked backward in time, dv, dv_new, dh0. Long
      sequences over few heads walk in pieces where the forward split them (it hands over its
-     maps) or, without them, a single sequence where the forward would (splits_backward,
-     flash_qla.ops.context_parallel.split_backward_walk);
+     maps) or, without them, where the forward would (splits_forward, from the lengths
+     validation read; flash_qla.ops.context_parallel.split_backward_walk);
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel.
 """
@@ -32,9 +32,9 @@ import torch
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
-from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table
+from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
-from flash_qla.ops.context_parallel import split_backward_walk
+from flash_qla.ops.context_parallel import maps_of_pieces, split_backward_walk
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
     DTYPE_NAMES,
@@ -57,32 +57,24 @@ def backward_walk_kernel(BV: int):
     return fused_bwd_wide_kernel if BV in WIDE_BLOCK_V else fused_bwd_kernel
 
 
-def splits_backward(n_seqs: int, T: int, Hv: int, V: int, profile: ArchProfile) -> bool:
-    """Whether the backward walk runs a single sequence of T tokens in pieces
-    (flash_qla.ops.context_parallel.split_backward_walk): where the forward walk would. The
-    backward's are the same chains over the same pieces, with the costlier chunk step, and a
-    map walk of the forward's kind, so the split gains at least as much. Several sequences split
-    only after a training forward that split them (it hands its maps over): here their lengths,
-    on the device, are unknown."""
-    return n_seqs == 1 and splits_forward((T,), Hv, V, profile)
-
-
-def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, auto_cp):
+def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, seqlens):
     """The GPU backward; arguments and returns as flash_qla.dispatch._backward.
 
     q, k [1, T, Hqk, K]; v, do [1, T, Hv, V]; g_cum, beta [1, T, Hv]; A [1, T, Hv, 64];
     cu_seqlens [N + 1] int32; dht, initial_state [N, Hv, K, V] float32 or None;
-    checkpoints, maps: what the forward returned for them, or None; auto_cp: the backward walk
-    may split a single long sequence (splits_backward; with maps it splits their pieces).
+    checkpoints, maps: what the forward returned for them, or None; seqlens: the sequence
+    lengths (host ints) for the planner, or None: the backward walk splits the sequences where
+    the forward walk would (splits_forward), and always the pieces of a forward that split
+    (it hands its maps over).
     """
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
         return _backward_kernels(
-            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, auto_cp
+            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, seqlens
         )
 
 
 def _backward_kernels(
-    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, auto_cp
+    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, seqlens
 ):
     profile = get_profile(q.device)
     C = profile.chunk
@@ -135,21 +127,23 @@ def _backward_kernels(
     dv_new, dv = buffers.new(v.shape, v.dtype, q.device), buffers.new(v.shape, v.dtype, q.device)
     has_dht, has_h0 = dht is not None, initial_state is not None
     dht = dht.to(f32).contiguous() if has_dht else None
-    # a training forward that split hands its maps over: the same pieces then
-    if maps is not None or (auto_cp and splits_backward(N, T, Hv, V, profile)):
-        pieces = checkpoint_pieces_expected(N, T, profile)
+    # a training forward that split hands its maps over: the same pieces then (its planner's
+    # decision, from the same lengths)
+    if maps is not None or (seqlens is not None and splits_forward(seqlens, Hv, V, profile)):
+        pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
         BV = choose_block_v(pieces, Hv, V, profile)
-        BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
         walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, has_h0)
         ends_walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, False, True, True)
-        if maps is None:  # the forward did not split: the maps' walk (its MAPS variant) forms them
-            maps = executable(
-                walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
-            )
+        if maps is None:  # the forward did not split: its MAPS walk forms them
+            BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+            map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
+            maps = maps_of_pieces(
+                executable(map_walk), walk_gate(BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, scale,
+                profile,
+            )  # fmt: skip
         dh0 = split_backward_walk(
-            executable(walk), executable(ends_walk), maps, walk_gate(BV_maps, gamma, gates),
-            walk_gate(BV, gamma, gates), q, k, v, do, A, P, cu_seqlens, slots, scale, dht, dh, dv_new, dv, has_h0,
-            profile,
+            executable(walk), executable(ends_walk), maps, walk_gate(BV, gamma, gates), q, k, do, A, P, cu_seqlens,
+            slots, seqlens, scale, dht, dh, dv_new, dv, has_h0, profile,
         )  # fmt: skip
     else:
         BV = choose_block_v(N, Hv, V, profile)

@@ -50,37 +50,47 @@ from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.launch import executable
 
 
-def _maps_of_pieces(maps, maps_gate, q, k, v, A, P, bounds, firsts, placeholder, scale):
+def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, profile):
     """D [n, Hv, K, 2 K]: M − I of each of checkpoint_pieces' n pieces (the rows of the empty ones
-    past the last unused), as compose_maps reads it, from `maps` (the
-    executable of the forward walk's MAPS variant, which reads neither v nor h0: v, of o's shape
-    and dtype, and the placeholder stand in)."""
+    past the last unused), as compose_maps reads it, from `maps` (the executable of the forward
+    walk's MAPS variant, taking maps_gate; it reads neither v nor h0: v, of o's shape and dtype,
+    and the placeholder stand in)."""
     _, Hv, V = v.shape
     K = q.shape[-1]
     assert K == V, "the transition M is walked as a state"
+    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
+    placeholder = buffers.placeholder(v.device, Hv, K, V)
     D = buffers.new((bounds.numel() - 1, Hv, K, 2 * K), torch.bfloat16, v.device)
     maps(q, k, v, maps_gate, A, P, bounds, firsts, placeholder, v, D, placeholder, scale)
     return D
 
 
+def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
+    """states[rows], one row per sequence; a zero-length sequence (no piece) gets `passthrough`
+    (its initial state or dht; None: zeros) instead."""
+    taken = states.index_select(0, rows)
+    if 0 not in seqlens:
+        return taken
+    empty = (seq_pieces[1:] == seq_pieces[:-1]).view(-1, 1, 1, 1)
+    return torch.where(empty, 0.0 if passthrough is None else passthrough, taken)
+
+
 def split_walk(
-    walk, walk_gate, maps, offsets, maps_gate, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state, h,
+    walk, walk_gate, D, offsets, offsets_gate, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state, h,
     profile,
 ):
     """o, the final states and the pieces' start states of the sequences, walked in pieces.
 
-    walk / maps / offsets: the TileLang executables of the forward walk (HAS_H0, storing h when h
-    is given) and of the walks giving M (MAPS) and b (STATES_ONLY, from S = 0, no h), walk_gate /
-    maps_gate their gate inputs (flash_qla.ops.forward.walk_gate; maps and offsets run one
-    width); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as the forward walk takes them;
-    cu_seqlens [N + 1] and the lengths it holds (host ints); initial_state [N, Hv, K, V] float32
-    or None; h [chunks, Hv, K, V] float32 or None.
+    walk / offsets: the TileLang executables of the forward walk (HAS_H0, storing h when h is
+    given) and of the walk giving b (STATES_ONLY, from S = 0, no h), walk_gate / offsets_gate
+    their gate inputs (flash_qla.ops.forward.walk_gate); D: the pieces' maps (maps_of_pieces,
+    at offsets' width); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as the forward walk
+    takes them; cu_seqlens [N + 1] and the lengths it holds (host ints); initial_state
+    [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None.
 
-    Returns o [T, Hv, V], final_state [N, Hv, K, V], (starts [pieces, Hv, K, V], rows
+    Returns o [T, Hv, V], final_state [N, Hv, K, V] and (starts [pieces, Hv, K, V], rows
     [pieces]): each non-empty piece's start state and its row in a forward's checkpoint buffer
-    (flash_qla.ops.forward.checkpoint_rows), which the start states are, and the maps
-    D [n, Hv, K, 2 K] as compose_maps reads them, a row for each of checkpoint_pieces' n pieces
-    (a backward walk's split reuses them).
+    (flash_qla.ops.forward.checkpoint_rows), which the start states are.
     """
     _, Hv, V = v.shape
     K = q.shape[-1]
@@ -91,11 +101,10 @@ def split_walk(
     n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
     f32, device = torch.float32, v.device
     placeholder = buffers.placeholder(device, Hv, K, V)
-    D = _maps_of_pieces(maps, maps_gate, q, k, v, A, P, bounds, firsts, placeholder, scale)
     b = buffers.new((n, Hv, K, V), f32, device)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
     # placeholder stand in
-    offsets(q, k, v, maps_gate, A, P, bounds, firsts, placeholder, v, b, placeholder, scale)
+    offsets(q, k, v, offsets_gate, A, P, bounds, firsts, placeholder, v, b, placeholder, scale)
     starts = buffers.new((n, Hv, K, V), f32, device)
     compose = compose_maps_kernel(Hv, K, V, profile, initial_state is not None)
     executable(compose)(D, b, seq_pieces, placeholder if initial_state is None else initial_state, starts)
@@ -103,39 +112,33 @@ def split_walk(
     o = buffers.new(v.shape, v.dtype, device)
     ends = buffers.new((n, Hv, K, V), f32, device)
     walk(q, k, v, walk_gate, A, P, bounds, firsts, starts, o, ends, placeholder if h is None else h, scale)
-    # each sequence's last piece ends at its final state (a zero-length one keeps its initial state)
-    final_state = ends.index_select(0, (seq_pieces[1:] - 1).clamp_(min=0))
-    if 0 in seqlens:
-        empty = (seq_pieces[1:] == seq_pieces[:-1]).view(-1, 1, 1, 1)
-        final_state = torch.where(empty, 0.0 if initial_state is None else initial_state, final_state)
-    return o, final_state, (starts[:pieces], rows[:pieces]), D
+    # each sequence's last piece ends at its final state
+    final_state = _per_sequence(ends, (seq_pieces[1:] - 1).clamp_(min=0), seq_pieces, seqlens, initial_state)
+    return o, final_state, (starts[:pieces], rows[:pieces])
 
 
 def split_backward_walk(
-    walk, ends_walk, maps, maps_gate, gate, q, k, v, do, A, P, cu_seqlens, slots, scale, dht, dh, dv_new, dv,
-    store_dh0, profile,
+    walk, ends_walk, D, gate, q, k, do, A, P, cu_seqlens, slots, seqlens, scale, dht, dh, dv_new, dv, store_dh0,
+    profile,
 ):
     """The backward walk of the sequences in pieces: fills dh, dv_new and dv, returns dh0.
 
     walk / ends_walk: the TileLang executables of the backward walk from per-piece end gradients
     (HAS_DHT, STORE_DH0 = store_dh0) and of the one from zero keeping only the pieces' start
-    gradients (ENDS_ONLY), both taking `gate`; maps: the pieces' D [n, Hv, K, 2 K] from a
-    forward that split the same sequences (split_walk), or the executable of the forward's MAPS
-    walk that forms them, taking maps_gate; q, k, v, do, A, P as the walks take them;
-    cu_seqlens [N + 1]; dht [N, Hv, K, V] float32 or None; dh [slots, Hv, K, V], dv_new,
-    dv [T, Hv, V]: the outputs. Returns dh0 [N, Hv, K, V] float32 when store_dh0, else None.
+    gradients (ENDS_ONLY), both taking `gate`; D: the pieces' maps (maps_of_pieces, or those of
+    a forward that split the same sequences); q, k, do, A, P as the walks take them;
+    cu_seqlens [N + 1] and the lengths it holds (host ints); dht [N, Hv, K, V] float32 or None;
+    dh [slots, Hv, K, V], dv_new, dv [T, Hv, V]: the outputs. Returns dh0 [N, Hv, K, V] float32
+    when store_dh0, else None.
     """
-    _, Hv, V = v.shape
+    _, Hv, V = dv.shape
     K = q.shape[-1]
     C, E = profile.chunk, profile.checkpoint_chunks
     bounds, firsts, _ = checkpoint_pieces(cu_seqlens, C, slots, E)
     seq_pieces = first_pieces(cu_seqlens, C, slots, E)
     n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
-    f32, device = torch.float32, v.device
+    f32, device = torch.float32, dv.device
     placeholder = buffers.placeholder(device, Hv, K, V)
-    D = maps if isinstance(maps, torch.Tensor) else _maps_of_pieces(
-        maps, maps_gate, q, k, v, A, P, bounds, firsts, placeholder, scale
-    )
     offsets = buffers.new((n, Hv, K, V), f32, device)
     ends_walk(q, k, do, gate, A, P, bounds, firsts, placeholder, dh, dv_new, dv, offsets, scale)
     # every piece's end gradient; the rows of the empty pieces past the last are read, not used
@@ -147,8 +150,4 @@ def split_backward_walk(
     if not store_dh0:
         return None
     # each sequence's first piece starts at dh0 (a zero-length one passes dht through)
-    dh0 = starts.index_select(0, seq_pieces[:-1].clamp(max=n - 1))
-    if cu_seqlens.numel() > 2:  # one sequence of T > 0 tokens has no empty one
-        empty = (seq_pieces[1:] == seq_pieces[:-1]).view(-1, 1, 1, 1)
-        dh0 = torch.where(empty, 0.0 if dht is None else dht, dh0)
-    return dh0
+    return _per_sequence(starts, seq_pieces[:-1].clamp(max=n - 1), seq_pieces, seqlens, dht)

@@ -16,7 +16,7 @@ from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunks import chunk_offsets_of, chunk_table, count_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
-from flash_qla.ops.context_parallel import split_walk
+from flash_qla.ops.context_parallel import maps_of_pieces, split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
@@ -240,9 +240,11 @@ def _forward_kernels(
         # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY)
         map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
         offsets = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True)
-        o, final_state, (starts, rows), D = split_walk(
-            executable(walk), walk_gate(BV, gamma, gates), executable(map_walk), executable(offsets),
-            walk_gate(BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, profile,
+        maps_gate = walk_gate(BV_maps, gamma, gates)
+        D = maps_of_pieces(executable(map_walk), maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, profile)
+        o, final_state, (starts, rows) = split_walk(
+            executable(walk), walk_gate(BV, gamma, gates), D, executable(offsets), maps_gate,
+            q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, profile,
         )  # fmt: skip
         if checkpoints is not None:
             checkpoints.index_copy_(0, rows, starts)

@@ -45,9 +45,9 @@ def _dense_cu_seqlens(B, T, device):
     return torch.arange(B + 1, dtype=torch.int32, device=device) * T
 
 
-def _planned_seqlens(cu_seqlens, B, T):
-    """The sequence lengths the planner weighs (flash_qla.dispatch._forward): those validation read
-    from cu_seqlens (cached: no second read), or B of T for a dense batch."""
+def _host_seqlens(cu_seqlens, B, T):
+    """The sequence lengths as host ints, for the planner and the sizes of outputs: those validation
+    read from cu_seqlens (cached: no second read), or B of T for a dense batch."""
     return (T,) * B if cu_seqlens is None else seqlens_of(cu_seqlens, T)
 
 
@@ -151,11 +151,11 @@ def chunk_gated_delta_rule(
         _packed_cu_seqlens(cu_seqlens, q),
         output_final_state,
     )
-    seqlens = _planned_seqlens(cu_seqlens, B, T) if auto_cp else None
+    seqlens = _host_seqlens(cu_seqlens, B, T)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-        o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens)
+        o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens, auto_cp)
     else:  # nothing to differentiate: no autograd node, nothing saved for a backward
-        _, _, o, _, final_state, _, _ = _forward(*args, False, seqlens)
+        _, _, o, _, final_state, _, _ = _forward(*args, False, seqlens, auto_cp)
     return _unpack(o, B, T), _state_out(final_state, state_v_first)
 
 
@@ -218,7 +218,8 @@ def chunk_gated_delta_rule_fwd(
             _packed_cu_seqlens(cu_seqlens, q),
             output_final_state,
             output_h,
-            _planned_seqlens(cu_seqlens, B, T) if auto_cp else None,
+            _host_seqlens(cu_seqlens, B, T),
+            auto_cp,
         )
     return _unpack(g_cum, B, T), _unpack(A, B, T), _unpack(o, B, T), h, _state_out(final_state, state_v_first)
 
@@ -276,6 +277,7 @@ def chunk_gated_delta_rule_bwd(
         _default_scale(scale, q),
         _state_in(initial_state, state_v_first, q),
         _packed_cu_seqlens(cu_seqlens, q),
-        seqlens=_planned_seqlens(cu_seqlens, B, T) if auto_cp else None,
+        _host_seqlens(cu_seqlens, B, T),
+        auto_cp=auto_cp,
     )
     return (*(_unpack(x, B, T) for x in (dq, dk, dv, dbeta, dg)), _state_out(dh0, state_v_first))

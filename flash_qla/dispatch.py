@@ -23,11 +23,12 @@ def _check_kernel_inputs(q, v):
 
 
 def _forward(
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens=None, training=False
-):
-    """Core forward; g is the raw gate. seqlens: the sequence lengths (a tuple, as validation read
-    them) for the planner, which may then walk a long sequence in pieces and, when training (a
-    backward will follow), keep state checkpoints for it where they pay; None plans nothing.
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp=False,
+    training=False,
+):  # fmt: skip
+    """Core forward; g is the raw gate. seqlens: the sequence lengths (host ints, as validation read
+    them from cu_seqlens: no sync here). auto_cp: the planner may walk long sequences in pieces
+    and, when training (a backward will follow), keep state checkpoints for it where they pay.
 
     Returns
     -------
@@ -37,7 +38,7 @@ def _forward(
     h : [NT, Hv, K, V] float32, state at the start of each chunk; None unless output_h.
     final_state : [N, Hv, K, V] float32; None unless output_final_state.
     checkpoints : for _backward (flash_qla.ops.forward.keeps_checkpoints), or None: always
-        None unless training with seqlens, and on the PyTorch path.
+        None unless training with auto_cp, and on the PyTorch path.
     maps : for _backward, or None: when a training forward walked its sequence in pieces, the
         pieces' maps (flash_qla.ops.context_parallel), which the backward walk's split reuses.
     """
@@ -46,8 +47,9 @@ def _forward(
 
         _check_kernel_inputs(q, v)
         return forward_kernels(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, training
-        )
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp,
+            training,
+        )  # fmt: skip
     outputs = chunk_gated_delta_rule_fwd_ref(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h
     )
@@ -55,12 +57,13 @@ def _forward(
 
 
 def _backward(
-    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints=None, maps=None, seqlens=None
-):
+    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints=None, maps=None,
+    auto_cp=False,
+):  # fmt: skip
     """Core backward; g_cum, A, checkpoints and maps are what _forward returned, do [1, T, Hv, V],
-    dht [N, Hv, K, V] or None; seqlens: the sequence lengths for the planner, as for _forward,
-    which may then walk long sequences in pieces where the forward would (after a forward that
-    split, maps given, the backward walk splits the same pieces); None plans nothing.
+    dht [N, Hv, K, V] or None; seqlens, auto_cp as for _forward: the planner may then walk long
+    sequences in pieces where the forward would (after a forward that split, maps given, the
+    backward walk splits the same pieces).
 
     Returns
     -------
@@ -74,6 +77,6 @@ def _backward(
 
         _check_kernel_inputs(q, v)
         return backward_kernels(
-            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, seqlens
+            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp
         )
     return chunk_gated_delta_rule_bwd_ref(q, k, v, g_cum, beta, do, dht, scale, initial_state, cu_seqlens)

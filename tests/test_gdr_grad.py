@@ -289,6 +289,38 @@ def test_split_training_matches_reference(poisoned, monkeypatch):
     assert all(err <= GRAD_TOL for err in errors.values()), errors
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_no_host_sync_once_cu_seqlens_is_validated(split, monkeypatch):
+    """Validation reads a cu_seqlens tensor to the host once; after that every entry point runs
+    without a host synchronisation (torch's sync debug mode raises on one): the low-level forward
+    with h and the final state, the low-level backward, and a training step through autograd, over
+    several sequences (an empty one included), the walks whole or split (forced)."""
+    case = Case("no_sync_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True)
+    seed = zlib.crc32(case.id.encode())
+    x, cu, h0 = case_inputs(case, seed)
+    do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
+    dht = _randn((_num_seqs(case), 8, 128, 128), torch.float32, seed + 2)
+    for module in (forward_module, backward_module):
+        monkeypatch.setattr(module, "splits_forward", lambda *args: split)
+    leaves = {name: t.detach().requires_grad_() for name, t in {**x, "initial_state": h0}.items()}
+
+    def calls():
+        g_cum, A, *_ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu, output_h=True)
+        flash_qla.chunk_gated_delta_rule_bwd(
+            x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu
+        )
+        o, ht = flash_qla.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, output_final_state=True)
+        torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
+
+    calls()  # validation reads cu_seqlens; the kernels compile and load
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        calls()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 # ---- training smoke test ------------------------------------------------------------------------
 
 # A smoke test: it catches what breaks training (non-finite values, gross errors in o or in the

@@ -57,24 +57,25 @@ def backward_walk_kernel(BV: int):
     return fused_bwd_wide_kernel if BV in WIDE_BLOCK_V else fused_bwd_kernel
 
 
-def backward_kernels(q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, seqlens):
+def backward_kernels(
+    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp
+):
     """The GPU backward; arguments and returns as flash_qla.dispatch._backward.
 
     q, k [1, T, Hqk, K]; v, do [1, T, Hv, V]; g_cum, beta [1, T, Hv]; A [1, T, Hv, 64];
-    cu_seqlens [N + 1] int32; dht, initial_state [N, Hv, K, V] float32 or None;
-    checkpoints, maps: what the forward returned for them, or None; seqlens: the sequence
-    lengths (host ints) for the planner, or None: the backward walk splits the sequences where
-    the forward walk would (splits_forward), and always the pieces of a forward that split
-    (it hands its maps over).
+    cu_seqlens [N + 1] int32 and the lengths it holds (host ints); dht, initial_state
+    [N, Hv, K, V] float32 or None; checkpoints, maps: what the forward returned for them, or
+    None; auto_cp: the backward walk splits the sequences where the forward walk would
+    (splits_forward); it always splits the pieces of a forward that split (their maps given).
     """
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
         return _backward_kernels(
-            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, seqlens
+            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp
         )
 
 
 def _backward_kernels(
-    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, checkpoints, maps, seqlens
+    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp
 ):
     profile = get_profile(q.device)
     C = profile.chunk
@@ -129,7 +130,7 @@ def _backward_kernels(
     dht = dht.to(f32).contiguous() if has_dht else None
     # a training forward that split hands its maps over: the same pieces then (its planner's
     # decision, from the same lengths)
-    if maps is not None or (seqlens is not None and splits_forward(seqlens, Hv, V, profile)):
+    if maps is not None or (auto_cp and splits_forward(seqlens, Hv, V, profile)):
         pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
         BV = choose_block_v(pieces, Hv, V, profile)
         walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, has_h0)

@@ -180,24 +180,24 @@ def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
 
 
 def forward_kernels(
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, training
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training
 ):
     """The GPU forward; arguments and returns as flash_qla.dispatch._forward.
 
-    q, k [1, T, Hqk, K]; v [1, T, Hv, V]; g, beta [1, T, Hv]; cu_seqlens [N + 1] int32;
-    initial_state [N, Hv, K, V] float32 or None.
-    No host synchronisation here, except when output_h is asked: the number of chunks
-    (which sizes h) is read back from the device. (Validation reads a new cu_seqlens
-    tensor once, flash_qla.validation.)
+    q, k [1, T, Hqk, K]; v [1, T, Hv, V]; g, beta [1, T, Hv]; cu_seqlens [N + 1] int32 and the
+    lengths it holds (host ints: validation read a new cu_seqlens tensor once,
+    flash_qla.validation); initial_state [N, Hv, K, V] float32 or None.
+    No host synchronisation here.
     """
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
         return _forward_kernels(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, training
-        )
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp,
+            training,
+        )  # fmt: skip
 
 
 def _forward_kernels(
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, training
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training
 ):
     device = q.device
     profile = get_profile(device)
@@ -224,12 +224,12 @@ def _forward_kernels(
 
     h = None
     if output_h:
-        h = buffers.new((int(chunk_offsets[-1]), Hv, K, V), torch.float32, device)
+        h = buffers.new((sum(-(-n // C) for n in seqlens), Hv, K, V), torch.float32, device)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    split = seqlens is not None and splits_forward(seqlens, Hv, V, profile)
+    split = auto_cp and splits_forward(seqlens, Hv, V, profile)
     checkpoints = None  # kept for a backward where they pay, and always when the walk split: free then
     maps = None
-    if training and seqlens is not None and (split or keeps_checkpoints(seqlens, Hv, V, profile)):
+    if training and auto_cp and (split or keeps_checkpoints(seqlens, Hv, V, profile)):
         checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), torch.float32, device)
 
     if split:  # pieces: the start states are the checkpoints

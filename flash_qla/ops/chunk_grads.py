@@ -56,8 +56,12 @@ accumulators live: products with S (K S, Q S, K dS', v_new); the [C, C] products
 N v_new, Nᵀ dU) with the reductions; then dq and dk, which are staged in q's and k's tiles
 for whole-row 16-byte stores (from the accumulators a store writes 4 bytes of a row).
 The four [C, C] terms of dq and dk are issued without a wait before dβ and dγ, whose
-reductions and serial sums use no tensor cores, and waited for after them (1.390 -> 1.375
-ms at 16/32 8x4096, 1.391 -> 1.367 at 1x32768; benchmark/NOTES.md v11 step 6).
+reductions and scan use no tensor cores, and waited for after them (1.390 -> 1.375
+ms at 16/32 8x4096, 1.391 -> 1.367 at 1x32768; benchmark/NOTES.md v11 step 6). The last
+valid token's two totals are warp shuffle sums, computed by every warp (no barrier), where a
+serial sum over shared memory was a chain of 2 C dependent adds in every thread (low-level
+backward 16/32 8x4096 2.320 -> 2.304 ms, 2/8 0.620 -> 0.617; dq, dk, dβ bitwise, dg within
+2e-7; benchmark/NOTES.md v15).
 Against synchronous tile copies and direct stores: 16/32 8x4096 backward 3.39 -> 2.79 ms,
 1x32768 3.99 -> 3.43 (benchmark/NOTES.md v8). The row and column sums batch each thread's
 results into one exchange between the warpgroups (`ROW_BATCH`, `COL_BATCH`): the reductions
@@ -82,6 +86,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     C = profile.chunk
     GROUPS = Hv // Hqk
     assert K % C == 0, "⟨S, dS'⟩ folds K rows onto C"
+    assert C % 32 == 0, "the last token's totals: C // 32 elements a lane"
     accum = "float32"
     # Reductions over a wgmma accumulator, whose threads hold 2 of their warp's 16 rows and 2 of
     # every 8 columns (the warpgroups split the columns): a thread's results go through one
@@ -171,6 +176,9 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             valid = T.alloc_var("int32")
             g_last = T.alloc_var(accum)
             at_last = T.alloc_var(accum)
+            sd_part = T.alloc_var(accum)
+            vk_part = T.alloc_var(accum)
+            lane = T.get_thread_binding() % 32
 
             t0 = chunk_table[slot, 0]
             valid = chunk_table[slot, 1]
@@ -269,13 +277,15 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         if i < valid:
                             dbeta[t0 + i, ih] = rows[i]
 
-                    # dγ and its reverse cumsum over the chunk
-                    at_last = 0.0
-                    for d in T.serial(C):
-                        at_last += sd_s[d]
-                    at_last = at_last * T.exp2(g_last * LOG2E)
-                    for i in T.serial(C):
-                        at_last += ed_s[i] * vk_s[i]
+                    # dγ and its reverse cumsum over the chunk. The last valid token's two totals,
+                    # Σ ⟨S, dS'⟩ rows and Σ_i e^{γ_L − γ_i} vk_i, are summed by every warp at once
+                    # with shuffles
+                    sd_part = sd_s[lane]
+                    vk_part = ed_s[lane] * vk_s[lane]
+                    for r in T.unroll(1, C // 32):
+                        sd_part += sd_s[r * 32 + lane]
+                        vk_part += ed_s[r * 32 + lane] * vk_s[r * 32 + lane]
+                    at_last = T.warp_reduce_sum(sd_part) * T.exp2(g_last * LOG2E) + T.warp_reduce_sum(vk_part)
                     for i in T.Parallel(C):
                         dg_s[i] = (
                             dg_s[i] + rr_s[i] - rc_s[i] - ed_s[i] * vk_s[i]

@@ -116,8 +116,9 @@ def chunk_gated_delta_rule(
         States are laid out [N, Hv, V, K] instead of [N, Hv, K, V].
     auto_cp : bool
         Let the planner split long sequences where that pays (GPU only). The forward walks
-        long sequences over few heads (2/8 at one sequence of 16384 tokens or more, or two)
-        in pieces of 32 chunks that run in parallel, each from its exact start state
+        long sequences over few heads (2/8 at one sequence of 16384 tokens or more, or two;
+        with a gradient to compute also where only its backward gains, e.g. 16/32 at one
+        sequence of 32768) in pieces of 32 chunks that run in parallel, each from its exact start state
         (DESIGN.md §1's exact route: o and final_state agree with the unsplit walk within
         rounding). With a gradient to compute, the GPU forward keeps the state every 32
         chunks (fp32, [T / 2048 + N, Hv, K, V] per call, saved for the backward) when long

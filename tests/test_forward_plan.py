@@ -104,6 +104,23 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
 
 
 @pytest.mark.parametrize(
+    "seqlens,Hv,expected",
+    [
+        ((32768,), 32, True),  # training step measured 3.634 split vs 3.732 ms whole (the forward alone loses)
+        ((16384, 16384), 32, False),  # measured 3.648 split vs 3.451 ms whole
+        ((32768,), 48, False),
+        ((4096,) * 8, 32, False),
+        ((32768,), 8, True),  # where the forward alone splits, training does too
+    ],
+    ids=["1x32768_32_heads", "2x16384_32_heads", "1x32768_48_heads", "8x4096_32_heads", "1x32768_8_heads"],
+)
+def test_training_forward_splits_where_its_backward_gains(seqlens, Hv, expected):
+    """A training forward hands its maps to the backward, which then splits without a map walk: it
+    splits up to TRAINING_SPLIT_GAIN of the whole walk, beyond the inference margin."""
+    assert splits_forward(seqlens, Hv, 128, SM90, True) == expected
+
+
+@pytest.mark.parametrize(
     "n_seqs,T,Hv,expected",
     [
         (1, 32768, 32, 128),  # 16 pieces x 32 heads: 4 waves of 128 columns beat 8 of 64

@@ -126,16 +126,28 @@ SPLIT_GAIN = 0.8
 PIECE_WALKS = 0.62
 COMPOSE_PIECE = 1.2
 SPLIT_FIXED = 15
+# A training forward that splits hands its maps to the backward, whose walk then splits the same
+# pieces with no map walk of its own (flash_qla.ops.backward): the backward gains more than the
+# forward's split costs where the estimate is near break-even. Measured on the H200, training step
+# split / whole (forward alone): 16/32 1x32768 3.634 / 3.732 ms (0.978 / 0.916), estimate 1.06 of
+# the whole walk; 16/32 2x16384 3.648 / 3.451 (0.979 / 0.649), estimate 1.83. So a training
+# forward splits up to TRAINING_SPLIT_GAIN. Where the two margins differ, training step with this
+# one / the inference one: 16/32 1x32768 3.656 / 3.690 ms, 1x65536 7.213 / 7.303, 28672+4096
+# 3.663 / 3.693, 1x16384 1.898 / 1.895; 4/16 2x16384 1.811 / 1.824; 2/8 1x8192 0.439 / 0.504
+# (benchmark/NOTES.md v16 step 2).
+TRAINING_SPLIT_GAIN = 1.1
 
 
-def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
+def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: bool = False) -> bool:
     """Whether the forward walks its sequences in pieces of profile.checkpoint_chunks chunks
     (flash_qla.ops.context_parallel, the exact route of DESIGN.md §1).
 
     Pays where sequences are long and Hv · V / BV chains leave SMs idle (2/8 or 4/16 at one
-    sequence of 16384 tokens and more, or a few such sequences). The model's walks over pieces
+    sequence of 16384 tokens and more, or a few such sequences; in training, where the backward
+    walk splits with it, also 16/32 at one sequence of 32768). The model's walks over pieces
     count the waves of all pieces (equal lengths assumed, as in walk_time); the composition runs
-    the sequences side by side, as long as the longest one's pieces.
+    the sequences side by side, as long as the longest one's pieces. training: the forward of a
+    training step (its maps go to the backward), which splits up to TRAINING_SPLIT_GAIN.
     """
     every = profile.checkpoint_chunks
     chunks = [-(-n // profile.chunk) for n in seqlens if n > 0]
@@ -145,7 +157,8 @@ def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     maps = 2 * walk_time(pieces, every, Hv, V, profile, RECOMPUTE_CHUNK_COST)
     walks = PIECE_WALKS * (maps + walk_time(pieces, every, Hv, V, profile, CHUNK_COST))
     split = walks + COMPOSE_PIECE * -(-max(chunks) // every) + SPLIT_FIXED
-    return split <= SPLIT_GAIN * walk_time(len(chunks), max(chunks), Hv, V, profile, CHUNK_COST)
+    gain = TRAINING_SPLIT_GAIN if training else SPLIT_GAIN
+    return split <= gain * walk_time(len(chunks), max(chunks), Hv, V, profile, CHUNK_COST)
 
 
 def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
@@ -226,7 +239,7 @@ def _forward_kernels(
     if output_h:
         h = buffers.new((sum(-(-n // C) for n in seqlens), Hv, K, V), torch.float32, device)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    split = auto_cp and splits_forward(seqlens, Hv, V, profile)
+    split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
     checkpoints = None  # kept for a backward where they pay, and always when the walk split: free then
     maps = None
     if training and auto_cp and (split or keeps_checkpoints(seqlens, Hv, V, profile)):

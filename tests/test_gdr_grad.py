@@ -292,6 +292,25 @@ def test_split_training_matches_reference(poisoned, monkeypatch):
     assert all(err <= GRAD_TOL for err in errors.values()), errors
 
 
+def test_training_split_hands_its_maps_to_the_backward(monkeypatch):
+    """Where only the training margin splits (16/32 at one sequence of 32768 tokens, which the
+    forward alone walks whole), the planner's split reaches the backward: its walk splits the same
+    pieces with the forward's maps (benchmark/NOTES.md v16 step 2 left this unverified there)."""
+    case = Case("train_split_16_32", (32768,), heads=(16, 32))
+    profile = forward_module.get_profile(torch.device("cuda"))
+    assert forward_module.splits_forward([32768], 32, 128, profile, True)
+    assert not forward_module.splits_forward([32768], 32, 128, profile)
+    seed = zlib.crc32(case.id.encode())
+    x, cu, _ = case_inputs(case, seed)
+    do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
+    split_walks = record_calls(monkeypatch, backward_module, "split_backward_walk")
+    leaves = {name: t.detach().requires_grad_() for name, t in x.items()}
+    o, _ = flash_qla_gdr(**leaves, cu_seqlens=cu)
+    grads = torch.autograd.grad(o, list(leaves.values()), do)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert len(split_walks) == 1 and isinstance(split_walks[0][2], torch.Tensor), "the forward's maps were handed over"
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 def test_no_host_sync_once_cu_seqlens_is_validated(split, monkeypatch):
     """Validation reads a cu_seqlens tensor to the host once; after that every entry point runs

@@ -1,6 +1,6 @@
 """Where the time goes: flash_qla's and FLA's kernels, one line per kernel, on the GPU.
 
-    python profile/profile_gdr.py --set develop [--skip-bwd]
+    python profile/profile_gdr.py --set develop [--skip-bwd] [--skip-fla]
 
 Runs each implementation --iters times under torch.profiler and prints, per config, every
 GPU kernel with its mean time per call and share of the call, ours then FLA's (Triton,
@@ -55,11 +55,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", choices=sorted(SETS), default="develop")
     parser.add_argument("--skip-bwd", action="store_true", help="profile the forward only")
+    parser.add_argument(
+        "--skip-fla", action="store_true", help="ours only (FLA's Triton JIT takes minutes on a new machine)"
+    )
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
     except ImportError:
+        fla_fn = None
+    if args.skip_fla:
         fla_fn = None
 
     impls = {"flash_qla": flash_qla.chunk_gated_delta_rule}

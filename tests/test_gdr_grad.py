@@ -305,10 +305,18 @@ def test_training_split_hands_its_maps_to_the_backward(monkeypatch):
     do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
     split_walks = record_calls(monkeypatch, backward_module, "split_backward_walk")
     leaves = {name: t.detach().requires_grad_() for name, t in x.items()}
-    o, _ = flash_qla_gdr(**leaves, cu_seqlens=cu)
-    grads = torch.autograd.grad(o, list(leaves.values()), do)
-    assert all(torch.isfinite(g).all() for g in grads)
+    grads = {}
+    for split in (True, False):
+        if not split:
+            monkeypatch.setattr(forward_module, "splits_forward", lambda *args: False)
+        o, _ = flash_qla_gdr(**leaves, cu_seqlens=cu)
+        grads[split] = torch.autograd.grad(o, list(leaves.values()), do)
+        assert all(torch.isfinite(g).all() for g in grads[split])
     assert len(split_walks) == 1 and isinstance(split_walks[0][2], torch.Tensor), "the forward's maps were handed over"
+    # how far the split's gradients are from the whole walk's (v16 saw dv bitwise equal here)
+    print(case.id, "split vs whole", {
+        "d" + name: f"{rel_l2(a, b):.2e}" for name, a, b in zip(leaves, grads[True], grads[False])
+    })  # fmt: skip
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])

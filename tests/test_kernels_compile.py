@@ -107,21 +107,21 @@ def test_fused_fwd_wide_chains_share_no_barrier(states_only):
 
 @pytest.mark.parametrize("ends_only", [False, True])
 def test_fused_bwd_wide_chains_share_no_barrier(ends_only):
-    """As the wide forward: the backward walk's warpgroups meet at no barrier (the stagings of dh,
-    dv_new and dv synchronise one warpgroup's threads; the walk keeping only its end stages none)."""
+    """As the wide forward: the backward walk's warpgroups meet at no barrier (the stagings of dh
+    and dv synchronise one warpgroup's threads; the walk keeping only its end stages none)."""
     source = fused_bwd_wide_kernel(16, 32, 128, 128, 128, "bfloat16", SM90, False, True, ends_only).get_kernel_source()
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
     assert all(b.endswith(", 128") for b in barriers), barriers
-    assert len(barriers) == (0 if ends_only else 6)  # before and after each of the three stagings
+    assert len(barriers) == (0 if ends_only else 4)  # before and after each of the two stagings
     assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
 
 
 @pytest.mark.parametrize("factory,BV", [(fused_bwd_kernel, 32), (fused_bwd_wide_kernel, 128)])
 def test_ends_only_backward_walks_store_only_dh0(factory, BV):
-    """The split backward's offsets walk (ENDS_ONLY) writes dh0 and none of dh, dv_new, dv."""
+    """The split backward's offsets walk (ENDS_ONLY) writes dh0 and none of dh, dv."""
     full = factory(2, 8, 128, 128, BV, "bfloat16", SM90, False, True).get_kernel_source()
     ends = factory(2, 8, 128, 128, BV, "bfloat16", SM90, False, True, True).get_kernel_source()
-    for name in ("dh", "dv_new", "dv", "dh0"):
+    for name in ("dh", "dv", "dh0"):
         # by TMA (fused_bwd's dh) or element and vector stores
         def writes(source, name=name):
             return f"{name}_desc" in source or re.search(rf"\b{name}\s*[\[+]", source) is not None

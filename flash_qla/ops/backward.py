@@ -19,7 +19,7 @@ Reads like flash_qla/reference/backward_stages.py:
      state the forward walk had there, and walks the same arithmetic). Training step, H200:
      16/32 1x32768 4.05 -> 3.78 ms, 2/8 1x32768 2.24 -> 1.81 (benchmark/NOTES.md v11);
   3. the backward walk (fused_bwd_wide for V-tiles of 64 or 128 columns, fused_bwd for
-     narrower ones): the state gradients dS' walked backward in time, dv, dv_new, dh0. Long
+     narrower ones): the state gradients dS' walked backward in time, dv, dh0. Long
      sequences over few heads walk in pieces where the forward split them (it hands over its
      maps) or, without them, where the forward would (splits_forward, from the lengths
      validation read; flash_qla.ops.context_parallel.split_backward_walk);
@@ -125,7 +125,7 @@ def _backward_kernels(
 
     # 3. state gradients, backward in time, over the sequences or over pieces of them
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
-    dv_new, dv = buffers.new(v.shape, v.dtype, q.device), buffers.new(v.shape, v.dtype, q.device)
+    dv = buffers.new(v.shape, v.dtype, q.device)
     has_dht, has_h0 = dht is not None, initial_state is not None
     dht = dht.to(f32).contiguous() if has_dht else None
     # a training forward that split hands its maps over: the same pieces then (its planner's
@@ -144,7 +144,7 @@ def _backward_kernels(
             )  # fmt: skip
         dh0 = split_backward_walk(
             executable(walk), executable(ends_walk), maps, walk_gate(BV, gamma, gates), q, k, do, A, P, cu_seqlens,
-            slots, seqlens, scale, dht, dh, dv_new, dv, has_h0, profile,
+            slots, seqlens, scale, dht, dh, dv, has_h0, profile,
         )  # fmt: skip
     else:
         BV = choose_block_v(N, Hv, V, profile)
@@ -152,14 +152,14 @@ def _backward_kernels(
         walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, has_dht, has_h0)
         executable(walk)(
             q, k, do, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
-            placeholder if dht is None else dht, dh, dv_new, dv, dh0, scale,
+            placeholder if dht is None else dht, dh, dv, dh0, scale,
         )  # fmt: skip
 
     # 4. chunk gradients
     dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
     dbeta, dg = buffers.new((T, Hv), f32, q.device), buffers.new((T, Hv), f32, q.device)
     grads = chunk_grads_kernel(Hqk, Hv, K, V, dtype, profile)
-    executable(grads)(q, k, v, do, dv_new, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, scale, slots)
+    executable(grads)(q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, scale, slots)
 
     return (
         dq[None],

@@ -2,12 +2,13 @@
 
 Computes, for every chunk of 64 tokens and v-head h (dq and dk summed over the v-heads
 of a qk-head), with S the forward state at the chunk's start (fused_fwd), dS' the
-gradient of the state after it, dv_new and dU = dv (fused_bwd), γ = g_cum, e^γ and
-e^{γ_L − γ} zero past the sequence's end, Γ_ij = e^{γ_i − γ_j} on and below the diagonal
-of the valid rows, 0 elsewhere:
+gradient of the state after it and dU = dv (fused_bwd), γ = g_cum, e^γ and e^{γ_L − γ}
+zero past the sequence's end, Γ_ij = e^{γ_i − γ_j} on and below the diagonal of the valid
+rows, 0 elsewhere:
 
     U  = V − diag(e^γ) K S,   v_new = A U                        (recomputed, [C, V])
     N  = K Kᵀ ⊙ Γ ⊙ StrictLower,  P = Q Kᵀ ⊙ Γ                   [C, C]
+    dv_new = scale · Pᵀ dO + diag(e^{γ_L − γ}) K dS'              (recomputed, [C, V])
     dP = scale · dO v_newᵀ ⊙ Lower,  dN = −dU v_newᵀ ⊙ StrictLower
     dq = scale · diag(e^γ) dO Sᵀ + (dP ⊙ Γ) K
     dk = (dP ⊙ Γ)ᵀ Q + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
@@ -21,6 +22,11 @@ of the valid rows, 0 elsewhere:
 flash_qla/reference/backward_stages.py derives these and checks them against autograd.
 dβ needs neither β nor the inverse again: A = diag(β) (I + N diag(β))⁻¹, so the
 gradient of N is −dU v_newᵀ and (I + N diag(β))⁻¹ U = U − N v_new.
+dv_new is the backward walk's, formed again here instead of stored there and loaded here:
+K dS' is formed anyway, so dv_new − Nᵀ dU costs one [C, C] x [C, V] product more, (scale ·
+P)ᵀ dO and (−N)ᵀ dU into one accumulator plus the K dS' term (kept in U's tile, rounded to the
+input dtype as the walk's stored dv_new was), for 4 T Hv V bytes less DRAM traffic in bf16
+(the store and the load; benchmark/NOTES.md v17).
 
 Precision: every reduction (dγ, dβ, ⟨S, dS'⟩) sums in fp32; only the operands of the
 tensor-core products are rounded to the input dtype (S and dS' arrive rounded so). dq and
@@ -32,7 +38,7 @@ hold the next sequence's finite data and only ever meet zero factors (e^γ, e^{�
 Inputs (packed varlen, T tokens in all):
     q, k       [T, Hqk, K]   input dtype
     v, do      [T, Hv, V]    input dtype
-    dv_new, dv [T, Hv, V]    input dtype (fused_bwd)
+    dv         [T, Hv, V]    input dtype (fused_bwd)
     A          [T, Hv, C]    input dtype (forward)
     gamma      [Hv, slots, C] fp32 γ chunk-major (kkt_solve)
     h, dh      [slots, Hv, K, V] input dtype: S and dS' of every chunk (slot = global chunk
@@ -47,13 +53,13 @@ Schedule: grid (chunk slots, Hqk), `grads_threads` threads (two warpgroups); slo
 the last chunk exit at once. A block loads q and k and forms Q Kᵀ and K Kᵀ once, then
 walks the Hv / Hqk v-heads of its qk-head, accumulating dq and dk. Every tile arrives by
 cp.async, each copy its own group, issued in the order of first use (q, k once; per v-head
-γ, S, dS', V, dO, dU, A, dv_new) and waited for just before its first read, so the later
+γ, S, dS', V, dO, dU, A) and waited for just before its first read, so the later
 tiles arrive under the first products; Q Kᵀ and K Kᵀ are formed at the first v-head's first
 wait. (γ by a synchronous load, its latency exposed before the first wait, took 3 % more:
 1.436 -> 1.391 ms at 16/32 8x4096, benchmark/NOTES.md v10.)
 Every product runs on wgmma with fp32 accumulators, in three phases that keep few
 accumulators live: products with S (K S, Q S, K dS', v_new); the [C, C] products (dP, dN,
-N v_new, Nᵀ dU) with the reductions; then dq and dk, which are staged in q's and k's tiles
+N v_new, Pᵀ dO and Nᵀ dU) with the reductions; then dq and dk, which are staged in q's and k's tiles
 for whole-row 16-byte stores (from the accumulators a store writes 4 bytes of a row).
 The four [C, C] terms of dq and dk are issued without a wait before dβ and dγ, whose
 reductions and scan use no tensor cores, and waited for after them (1.390 -> 1.375
@@ -98,7 +104,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
     # a v-head's tiles in the order they are copied, one cp.async group each
-    TILE_ORDER = ("γ", "S", "dS'", "V", "dO", "dU", "A", "dv_new")
+    TILE_ORDER = ("γ", "S", "dS'", "V", "dO", "dU", "A")
 
     @T.macro
     def arrived(pending):
@@ -116,7 +122,6 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
         k: T.Tensor([tokens, Hqk, K], dtype),
         v: T.Tensor([tokens, Hv, V], dtype),
         do: T.Tensor([tokens, Hv, V], dtype),
-        dv_new: T.Tensor([tokens, Hv, V], dtype),
         dv: T.Tensor([tokens, Hv, V], dtype),
         A: T.Tensor([tokens, Hv, C], dtype),
         gamma: T.Tensor([Hv, n_slots, C], accum),
@@ -135,11 +140,11 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             k_s = T.alloc_shared([C, K], dtype)
             do_s = T.alloc_shared([C, V], dtype)  # dO
             du_s = T.alloc_shared([C, V], dtype)  # dU = dv
-            u_s = T.alloc_shared([C, V], dtype)  # V, then U
-            dvn_s = T.alloc_shared([C, V], dtype)  # dv_new
+            u_s = T.alloc_shared([C, V], dtype)  # V, then U, then diag(e^{γ_L − γ}) K dS'
             vn_s = T.alloc_shared([C, V], dtype)  # v_new
             a_s = T.alloc_shared([C, C], dtype)
-            n_s = T.alloc_shared([C, C], dtype)  # N
+            n_s = T.alloc_shared([C, C], dtype)  # −N
+            p_s = T.alloc_shared([C, C], dtype)  # scale · P
             dqk_s = T.alloc_shared([C, C], dtype)  # dP ⊙ Γ
             dkk_s = T.alloc_shared([C, C], dtype)  # dN ⊙ Γ
             s_s = T.alloc_shared([K, V], dtype)  # S
@@ -154,8 +159,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             sd_s = T.alloc_shared([C], accum)  # partial sums of ⟨S, dS'⟩
 
             KS = T.alloc_fragment([C, V], accum)  # K S, then U
-            QS = T.alloc_fragment([C, V], accum)  # Q S, then N v_new
-            KD = T.alloc_fragment([C, V], accum)  # K dS', then Nᵀ dU
+            QS = T.alloc_fragment([C, V], accum)  # Q S, then −N v_new
+            KD = T.alloc_fragment([C, V], accum)  # K dS', then scale Pᵀ dO − Nᵀ dU
             VN = T.alloc_fragment([C, V], accum)  # v_new
             X = T.alloc_fragment([C, V], accum)  # elementwise terms of row sums
             QK = T.alloc_fragment([C, C], accum)  # Q Kᵀ, shared by the v-heads
@@ -184,7 +189,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             valid = chunk_table[slot, 1]
             if valid > 0:
                 # every tile arrives by cp.async, each copy its own group, issued in the order of
-                # first use (q, k, then per v-head γ, S, dS', V, dO, dU, A, dv_new): groups complete
+                # first use (q, k, then per v-head γ, S, dS', V, dO, dU, A): groups complete
                 # in order, so each wait lets the later tiles keep arriving under the products
                 T.async_copy(q[t0:t0 + C, ihk, :], q_s)
                 T.async_copy(k[t0:t0 + C, ihk, :], k_s)
@@ -202,7 +207,6 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.async_copy(do[t0:t0 + C, ih, :], do_s)
                     T.async_copy(dv[t0:t0 + C, ih, :], du_s)
                     T.async_copy(A[t0:t0 + C, ih, :], a_s)
-                    T.async_copy(dv_new[t0:t0 + C, ih, :], dvn_s)
 
                     arrived(pending_after("dS'"))  # q and k came before
                     g_last = gam_s[valid - 1]
@@ -238,6 +242,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     for i, j in T.Parallel(C, V):
                         X[i, j] = VN[i, j] * KD[i, j]
                     T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
+                    for i, j in T.Parallel(C, V):  # dv_new's K dS' term, in U's tile (free now)
+                        u_s[i, j] = KD[i, j] * ed_s[i]
                     T.copy(rows, vk_s)
 
                     # 2. the [C, C] products and the reductions over them
@@ -249,10 +255,12 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         DP[i, j] = DP[i, j] * scale * G[i, j]  # dP ⊙ Γ
                         DN[i, j] = T.if_then_else(j < i, -DN[i, j] * G[i, j], 0.0)  # dN ⊙ Γ
                         R[i, j] = DP[i, j] * QK[i, j] + DN[i, j] * KK[i, j]  # dP ⊙ P + dN ⊙ N
-                        NN[i, j] = T.if_then_else(j < i, KK[i, j] * G[i, j], 0.0)
+                        NN[i, j] = T.if_then_else(j < i, -KK[i, j] * G[i, j], 0.0)  # −N
+                        G[i, j] = QK[i, j] * G[i, j] * scale  # scale · P
                     T.copy(DP, dqk_s)
                     T.copy(DN, dkk_s)
                     T.copy(NN, n_s)
+                    T.copy(G, p_s)
                     T.reduce_sum(R, r_rows, dim=1, batch=ROW_BATCH)
                     T.copy(r_rows, rr_s)
                     T.reduce_sum(R, r_cols, dim=0, batch=COL_BATCH)
@@ -260,7 +268,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
 
                     # W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
                     T.gemm(n_s, vn_s, QS, clear_accum=True)
-                    T.gemm(n_s, du_s, KD, transpose_A=True, clear_accum=True)
+                    T.gemm(p_s, do_s, KD, transpose_A=True, clear_accum=True)
+                    T.gemm(n_s, du_s, KD, transpose_A=True)
 
                     # the [C, C] terms of dq and dk run on the tensor cores under dβ and dγ, which
                     # use none: dq += (dP ⊙ Γ) K, dk += (dP ⊙ Γ)ᵀ Q + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
@@ -269,9 +278,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                     T.wgmma_gemm(dkk_s, k_s, DK)
                     T.wgmma_gemm(dkk_s, k_s, DK, transpose_A=True)
 
-                    arrived(pending_after("dv_new"))
                     for i, j in T.Parallel(C, V):
-                        X[i, j] = (dvn_s[i, j] - KD[i, j]) * (KS[i, j] - QS[i, j])
+                        X[i, j] = (u_s[i, j] + KD[i, j]) * (KS[i, j] + QS[i, j])
                     T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
                     for i in T.Parallel(C):
                         if i < valid:

@@ -37,7 +37,7 @@ piece's dS_start from dS_end = 0: the MAPS walk gives M (a training forward that
 its D over), the backward walk from zero over all pieces at once (ENDS_ONLY: it writes only
 each piece's dS_start) gives b', compose_maps (REVERSE) composes the transposed maps from dht,
 last piece first, into every piece's end gradient, and the backward walk runs over the pieces
-from them (dh, dv_new, dv of every chunk; dh0 is the first piece's start gradient). Gradients
+from them (dh, dv of every chunk; dh0 is the first piece's start gradient). Gradients
 within 1.3e-3 of the whole walk's. H200 (benchmark/NOTES.md v14): the low-level backward 2/8
 1x32768 1.650 -> 1.223 ms, 4/16 1.997 -> 1.797; the training step 2/8 1x32768 1.469 -> 1.000.
 """
@@ -118,17 +118,17 @@ def split_walk(
 
 
 def split_backward_walk(
-    walk, ends_walk, D, gate, q, k, do, A, P, cu_seqlens, slots, seqlens, scale, dht, dh, dv_new, dv, store_dh0,
+    walk, ends_walk, D, gate, q, k, do, A, P, cu_seqlens, slots, seqlens, scale, dht, dh, dv, store_dh0,
     profile,
 ):
-    """The backward walk of the sequences in pieces: fills dh, dv_new and dv, returns dh0.
+    """The backward walk of the sequences in pieces: fills dh and dv, returns dh0.
 
     walk / ends_walk: the TileLang executables of the backward walk from per-piece end gradients
     (HAS_DHT, STORE_DH0 = store_dh0) and of the one from zero keeping only the pieces' start
     gradients (ENDS_ONLY), both taking `gate`; D: the pieces' maps (maps_of_pieces, or those of
     a forward that split the same sequences); q, k, do, A, P as the walks take them;
     cu_seqlens [N + 1] and the lengths it holds (host ints); dht [N, Hv, K, V] float32 or None;
-    dh [slots, Hv, K, V], dv_new, dv [T, Hv, V]: the outputs. Returns dh0 [N, Hv, K, V] float32
+    dh [slots, Hv, K, V], dv [T, Hv, V]: the outputs. Returns dh0 [N, Hv, K, V] float32
     when store_dh0, else None.
     """
     _, Hv, V = dv.shape
@@ -140,13 +140,13 @@ def split_backward_walk(
     f32, device = torch.float32, dv.device
     placeholder = buffers.placeholder(device, Hv, K, V)
     offsets = buffers.new((n, Hv, K, V), f32, device)
-    ends_walk(q, k, do, gate, A, P, bounds, firsts, placeholder, dh, dv_new, dv, offsets, scale)
+    ends_walk(q, k, do, gate, A, P, bounds, firsts, placeholder, dh, dv, offsets, scale)
     # every piece's end gradient; the rows of the empty pieces past the last are read, not used
     ends = buffers.new((n, Hv, K, V), f32, device)
     compose = compose_maps_kernel(Hv, K, V, profile, dht is not None, True)
     executable(compose)(D, offsets, seq_pieces, placeholder if dht is None else dht, ends)
     starts = buffers.new((n, Hv, K, V), f32, device) if store_dh0 else placeholder
-    walk(q, k, do, gate, A, P, bounds, firsts, ends, dh, dv_new, dv, starts, scale)
+    walk(q, k, do, gate, A, P, bounds, firsts, ends, dh, dv, starts, scale)
     if not store_dh0:
         return None
     # each sequence's first piece starts at dh0 (a zero-length one passes dht through)

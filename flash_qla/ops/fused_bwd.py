@@ -25,8 +25,9 @@ Inputs (packed varlen, T tokens in all):
 Outputs:
     dh       [slots, Hv, K, V] input dtype, dS' of every chunk (slot = global chunk index),
                             rounded as chunk_grads uses it: as a tensor-core operand
-    dv_new   [T, Hv, V]     input dtype
     dv       [T, Hv, V]     input dtype
+    (dv_new stays on chip: chunk_grads forms it again from P, dO and dS', one [C, C] product,
+    cheaper than its store and load; benchmark/NOTES.md v17)
     dh0      [N, Hv, K, V]  fp32 gradient of the initial state (written when STORE_DH0)
     (ENDS_ONLY: dh0 alone, each sequence's dS at its start: the context-parallel backward's
     offsets, flash_qla.ops.context_parallel)
@@ -72,7 +73,7 @@ def fused_bwd_kernel(
 ):
     """Compile (or load from TileLang's cache) the backward walk for one static config.
 
-    ENDS_ONLY: only dh0 is written (no dh, dv_new, dv): the walks of the context-parallel
+    ENDS_ONLY: only dh0 is written (no dh, dv): the walks of the context-parallel
     backward that give each piece's offset (flash_qla.ops.context_parallel).
     """
     assert STORE_DH0 or not ENDS_ONLY, "a walk that stores nothing"
@@ -101,7 +102,6 @@ def fused_bwd_kernel(
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         dht: T.Tensor([n_dht, Hv, K, V], accum),
         dh: T.Tensor([n_slots, Hv, K, V], dtype),
-        dv_new: T.Tensor([tokens, Hv, V], dtype),
         dv: T.Tensor([tokens, Hv, V], dtype),
         dh0: T.Tensor([n_dh0, Hv, K, V], accum),
         scale: T.float32,
@@ -123,7 +123,7 @@ def fused_bwd_kernel(
             ds_s = T.alloc_shared([K, BV], dtype)  # dS' in the input dtype, B operand
             dom_s = T.alloc_shared([C, BV], dtype)  # scale · dO, zero past the end
             doe_s = T.alloc_shared([C, BV], dtype)  # diag(scale · e^γ) dO
-            dvn_s = T.alloc_shared([C, BV], dtype)  # dv_new
+            dvn_s = T.alloc_shared([C, BV], dtype)  # dv_new, the operand of Aᵀ dv_new
             due_s = T.alloc_shared([C, BV], dtype)  # −diag(e^γ) dv
             if not ENDS_ONLY:
                 dv_s = T.alloc_shared([C, BV + DV_PAD], dtype)  # dv staged for its store, rows padded
@@ -197,7 +197,6 @@ def fused_bwd_kernel(
                 if not ENDS_ONLY:
                     for i, j in T.Parallel(C, BV):
                         if i < valid:
-                            dv_new[t0 + i, ih, v0 + j] = dvn_s[i, j]
                             dv[t0 + i, ih, v0 + j] = dv_s[i, j]
 
             if STORE_DH0:

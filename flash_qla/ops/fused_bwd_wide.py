@@ -1,6 +1,6 @@
 """Backward walk for V-tiles of 64 and 128: the walk of fused_bwd with the state gradient transposed.
 
-Computes what fused_bwd computes (dh, dv_new, dv and dh0; the same math and masking), for
+Computes what fused_bwd computes (dh, dv and dh0; the same math and masking), for
 V-tiles of BV = 64 · (consumer warpgroups) columns, with every product transposed so that
 the V columns are its M side (γ = g_cum, e^γ and e^{γ_L − γ} zero past the sequence's end,
 P = Q Kᵀ ⊙ Γ ⊙ Lower, dS'ᵀ the gradient of the state after the chunk, walked last to first):
@@ -13,7 +13,7 @@ dS'ᵀ, dOᵀ (scaled, and masked past the sequence's end: P's rows there belong
 sequence), dv_newᵀ and dvᵀ diag(e^γ) are the A operands of the next products, which wgmma
 reads straight from registers (rounded to the input dtype, as fused_bwd rounds them into
 shared memory): only the TMA'd q, k, dO, A and P tiles are read from shared memory, and the
-consumers write shared memory only to stage dh, dv_new and dv for their stores. So the consumer
+consumers write shared memory only to stage dh and dv for their stores. So the consumer
 warpgroups, one per 64 columns, share the ring's tiles but nothing else: each runs an
 independent chain, and two chains per SM hide each other's latency (fused_fwd_wide's form).
 Both forms run near the DRAM rate at full grids, so the gain is the bytes fused_bwd reads
@@ -28,8 +28,8 @@ Schedule: grid (V / BV, Hv, N), chunks walked last to first; TileLang's warp spe
 a producer warpgroup streams the tiles through a `num_stages`-deep TMA ring, BV / 64
 consumer warpgroups (every product splits its M = BV rows over them, `FullRow`). Per chunk
 the chain is three dependent steps: (K dS')ᵀ, (Pᵀ dO)ᵀ and the dOᵀ Q update in flight
-together, then dv_newᵀ A, then the dvᵀ K update, under which the chunk's dv_new and dv are
-stored (transposed through shared memory for whole-row stores, each warpgroup its own 64
+together, then dv_newᵀ A, then the dvᵀ K update, under which the chunk's dv is stored
+(transposed through shared memory for whole-row stores, each warpgroup its own 64
 columns between barriers of its own 128 threads). dS'ᵀ goes to dh the same way at the chunk's
 start (staging.state_store; from the registers, element by element, a warp's 2-byte stores
 touched 8 rows of dh 256 bytes apart: 16/32 8x4096 0.609 -> 0.541 ms, 16/64 1.185 -> 1.003,
@@ -95,7 +95,6 @@ def fused_bwd_wide_kernel(
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         dht: T.Tensor([n_dht, Hv, K, V], accum),
         dh: T.Tensor([n_slots, Hv, K, V], dtype),
-        dv_new: T.Tensor([tokens, Hv, V], dtype),
         dv: T.Tensor([tokens, Hv, V], dtype),
         dh0: T.Tensor([n_dh0, Hv, K, V], accum),
         scale: T.float32,
@@ -116,7 +115,6 @@ def fused_bwd_wide_kernel(
             p_s = T.alloc_shared([C, C], dtype)
             gates_s = T.alloc_shared([2, C], accum)  # e^γ, e^{γ_L − γ}
             if not ENDS_ONLY:
-                dvn_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # dv_new staged for its store, rows padded
                 dv_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # dv staged for its store, rows padded
                 dh_s = T.alloc_shared([K, BV + STAGE_PAD], dtype)  # dS' staged for its store, rows padded
             # dO is read a column per thread group: swizzled 128-byte rows, else the rows a warp
@@ -187,7 +185,6 @@ def fused_bwd_wide_kernel(
                 with T.ws_op("k_s"):  # one op: the ring frees k_s only after the wait
                     T.wgmma_gemm(DUe, k_s, dSt, policy=ROWS)
                     if not ENDS_ONLY:
-                        store_rows(DVNb, dvn_s, dv_new, t0, valid, ih, v0, tx)
                         store_rows(DVt, dv_s, dv, t0, valid, ih, v0, tx)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(dSt, num_regs=STATE_REGS)

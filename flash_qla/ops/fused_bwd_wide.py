@@ -27,10 +27,15 @@ chunk's end) in the place of γ.
 Schedule: grid (V / BV, Hv, N), chunks walked last to first; TileLang's warp specialization:
 a producer warpgroup streams the tiles through a `num_stages`-deep TMA ring, BV / 64
 consumer warpgroups (every product splits its M = BV rows over them, `FullRow`). Per chunk
-the chain is three dependent steps: (K dS')ᵀ, (Pᵀ dO)ᵀ and the dOᵀ Q update in flight
-together, then dv_newᵀ A, then the dvᵀ K update, under which the chunk's dv is stored
-(transposed through shared memory for whole-row stores, each warpgroup its own 64
-columns between barriers of its own 128 threads). dS'ᵀ goes to dh the same way at the chunk's
+the chain is three dependent steps: (K dS')ᵀ and (Pᵀ dO)ᵀ in flight together, then dv_newᵀ A,
+then the dOᵀ Q and dvᵀ K updates of dSᵀ together, under which the chunk's dv is stored. The
+dOᵀ Q update waits for the last step (it could go with the first) so that its operand is not
+live beside the first step's: there, the consumer's registers ran out and ptxas kept 32 bytes
+of indices in local memory, which missed L1 and were reloaded every chunk (ncu: waits on
+L1TEX loads, these among them, were 47 % of the walk's stalls). Moved, none are left: the
+low-level backward at 16/32 8x4096 2.315 -> 2.210 ms (the walk ~0.54 -> ~0.43), outputs bitwise
+equal (benchmark/NOTES.md v17). dv is stored (transposed through shared memory for whole-row
+stores, each warpgroup its own 64 columns between barriers of its own 128 threads). dS'ᵀ goes to dh the same way at the chunk's
 start (staging.state_store; from the registers, element by element, a warp's 2-byte stores
 touched 8 rows of dh 256 bytes apart: 16/32 8x4096 0.609 -> 0.541 ms, 16/64 1.185 -> 1.003,
 outputs bitwise equal; benchmark/NOTES.md v14). dO is read transposed from its ring tile,
@@ -155,34 +160,33 @@ def fused_bwd_wide_kernel(
                 T.copy(dSt, Db)
                 if not ENDS_ONLY:
                     store_dh(Db, dh_s, dh, first_chunk + c, ih, v0, tx)
-                # dSᵀ becomes the accumulator of the update (before the issue, as in fused_fwd)
-                decay = gates_s[0, valid - 1]
-                for j, d in T.Parallel(BV, K):
-                    dSt[j, d] = dSt[j, d] * decay
                 for i in T.Parallel(C):
                     eg[i] = gates_s[0, i]
                     ed[i] = gates_s[1, i]
                 for j, i in T.Parallel(BV, C):
                     DOm[j, i] = T.if_then_else(i < valid, do_s[i, j] * scale, 0.0)
-                    DOe[j, i] = do_s[i, j] * (scale * eg[i])
 
-                # (K dS')ᵀ and (Pᵀ dO)ᵀ (the dv chain) and the dOᵀ Q update in flight together
-                with T.ws_op("k_s_p_s_q_s"):  # one op: the ring frees p_s and q_s only after the wait
+                # (K dS')ᵀ and (Pᵀ dO)ᵀ (the dv chain) in flight together
+                with T.ws_op("k_s_p_s"):  # one op: the ring frees p_s only after the wait
                     T.wgmma_gemm(Db, k_s, KDt, transpose_B=True, clear_accum=True, policy=ROWS)
                     T.wgmma_gemm(DOm, p_s, DVNt, clear_accum=True, policy=ROWS)
-                    T.wgmma_gemm(DOe, q_s, dSt, policy=ROWS)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(KDt, num_regs=TILE_REGS)
                     T.warpgroup_fence_operand(DVNt, num_regs=TILE_REGS)
-                    T.warpgroup_fence_operand(dSt, num_regs=STATE_REGS)
                 for j, i in T.Parallel(BV, C):
                     DVNb[j, i] = DVNt[j, i] + KDt[j, i] * ed[i]
 
-                # dvᵀ = dv_newᵀ A, then dSᵀ −= dvᵀ diag(e^γ) K with the stores under it
+                # dvᵀ = dv_newᵀ A, then dSᵀ <- e^{γ_L} dS'ᵀ + dOᵀ diag(scale · e^γ) Q − dvᵀ diag(e^γ) K,
+                # both update products in flight together with the dv store under them
                 T.gemm(DVNb, a_s, DVt, clear_accum=True, policy=ROWS)
+                decay = gates_s[0, valid - 1]
+                for j, d in T.Parallel(BV, K):
+                    dSt[j, d] = dSt[j, d] * decay
                 for j, i in T.Parallel(BV, C):
                     DUe[j, i] = -DVt[j, i] * eg[i]
-                with T.ws_op("k_s"):  # one op: the ring frees k_s only after the wait
+                    DOe[j, i] = do_s[i, j] * (scale * eg[i])
+                with T.ws_op("k_s_q_s"):  # one op: the ring frees k_s and q_s only after the wait
+                    T.wgmma_gemm(DOe, q_s, dSt, policy=ROWS)
                     T.wgmma_gemm(DUe, k_s, dSt, policy=ROWS)
                     if not ENDS_ONLY:
                         store_rows(DVt, dv_s, dv, t0, valid, ih, v0, tx)

@@ -314,10 +314,11 @@ def test_training_split_hands_its_maps_to_the_backward(monkeypatch):
         grads[split] = torch.autograd.grad(o, list(leaves.values()), do)
         assert all(torch.isfinite(g).all() for g in grads[split])
     assert len(split_walks) == 1 and isinstance(split_walks[0][2], torch.Tensor), "the forward's maps were handed over"
-    # how far the split's gradients are from the whole walk's
-    print(case.id, "split vs whole", {
-        "d" + name: f"{rel_l2(a, b):.2e}" for name, a, b in zip(leaves, grads[True], grads[False])
-    })  # fmt: skip
+    # each walk is within GRAD_TOL of the reference elsewhere; apart by a rounding of the composed maps
+    # (2-3e-3 measured), not by a wrong start gradient of a piece (order 1)
+    apart = {"d" + name: rel_l2(a, b) for name, a, b in zip(leaves, grads[True], grads[False])}
+    print(case.id, "split vs whole", {name: f"{err:.2e}" for name, err in apart.items()})
+    assert all(err <= GRAD_TOL for err in apart.values()), apart
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])

@@ -11,6 +11,7 @@ Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 
 import re
 import shutil
+import subprocess
 
 import pytest
 
@@ -87,9 +88,7 @@ NO_LOCAL_MEMORY = (
 def test_kernel_keeps_nothing_in_local_memory(name, tmp_path):
     """ptxas gives the kernel no stack frame: values kept in local memory miss L1 beside the large
     shared-memory rings and wait on L2 (the wide backward walk kept 32 bytes there, reloaded every
-    chunk: 0.105 ms of its 0.54 at 16/32 8x4096, benchmark/NOTES.md v17)."""
-    import subprocess
-
+    chunk; without them the backward at 16/32 8x4096 took 0.105 ms less, benchmark/NOTES.md v17)."""
     from tilelang import env
 
     _, factory, args, _ = next(k for k in KERNELS if k[0] == name)

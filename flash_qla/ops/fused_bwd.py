@@ -26,8 +26,8 @@ Outputs:
     dh       [slots, Hv, K, V] input dtype, dS' of every chunk (slot = global chunk index),
                             rounded as chunk_grads uses it: as a tensor-core operand
     dv       [T, Hv, V]     input dtype
-    (dv_new stays on chip: chunk_grads forms it again from P, dO and dS', one [C, C] product,
-    cheaper than its store and load; benchmark/NOTES.md v17)
+    (dv_new stays on chip: chunk_grads forms it again from P, dO and dS' with one [C, C]
+    product instead of loading it; benchmark/NOTES.md v17)
     dh0      [N, Hv, K, V]  fp32 gradient of the initial state (written when STORE_DH0)
     (ENDS_ONLY: dh0 alone, each sequence's dS at its start: the context-parallel backward's
     offsets, flash_qla.ops.context_parallel)

@@ -93,3 +93,13 @@ def _capability(device: torch.device) -> tuple[int, int]:
 @functools.lru_cache(maxsize=None)
 def _capability_of_index(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The SMs of a CUDA device (persistent kernels launch one block each), read once per device."""
+    return _multiprocessors_of_index(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors_of_index(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -11,6 +11,8 @@ write fails the check):
 - test_low_level_backward_matches_reference: flash_qla.chunk_gated_delta_rule_bwd, fed the kernel
   forward's g_cum and A, against chunk_gated_delta_rule_bwd_ref.
 - test_backward_is_deterministic: two runs of one backward give bitwise-identical gradients.
+- test_chunk_grads_independent_of_block_count: chunk_grads' persistent blocks (one per SM) give
+  bitwise the gradients of one block and of three walking every chunk, empty slots included.
 - test_checkpointed_recompute_is_exact, test_split_backward_matches_whole_walk: the backward's
   state recompute from the forward's checkpoints, and its walk split into pieces of a sequence.
 - test_training_matches_reference: a tiny GatedDeltaNet layer trained with the kernels and with the
@@ -186,6 +188,29 @@ def test_backward_is_deterministic():
     first, second = backward(), backward()
     for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), first, second):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("case_id", ["varlen_edges_h0", "gva4_Hv64"])
+def test_chunk_grads_independent_of_block_count(case_id, monkeypatch):
+    """Each (chunk, qk-head) item's arithmetic is the same whichever persistent block computes it and
+    whatever that block copied ahead: one block, three, and one per SM agree bitwise."""
+    case = next(c for c in CASES if c.id == case_id)
+    x, cu, h0 = case_inputs(case, seed=6)
+    do = _randn(x["v"].shape, x["v"].dtype, 7)
+    dht = _randn((_num_seqs(case), case.heads[1], 128, 128), torch.float32, 8)
+    g_cum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu)
+
+    def backward(blocks):
+        if blocks is not None:
+            monkeypatch.setattr(backward_module, "multiprocessors", lambda device: blocks)
+        return flash_qla.chunk_gated_delta_rule_bwd(
+            x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu
+        )
+
+    every_sm = backward(None)
+    for blocks in (1, 3):
+        for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), backward(blocks), every_sm):
+            assert torch.equal(a, b), (blocks, name)
 
 
 CHECKPOINT_CASES = [  # forward walks at V-tiles of 32 and 16, the recompute's pieces at 64

@@ -29,7 +29,7 @@ Reads like flash_qla/reference/backward_stages.py:
 
 import torch
 
-from flash_qla.arch import ArchProfile, get_profile
+from flash_qla.arch import ArchProfile, get_profile, multiprocessors
 from flash_qla.ops import buffers
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
 from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces
@@ -159,7 +159,8 @@ def _backward_kernels(
     dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
     dbeta, dg = buffers.new((T, Hv), f32, q.device), buffers.new((T, Hv), f32, q.device)
     grads = chunk_grads_kernel(Hqk, Hv, K, V, dtype, profile)
-    executable(grads)(q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, scale, slots)
+    blocks = min(multiprocessors(q.device), slots * Hqk)  # persistent: one block an SM
+    executable(grads)(q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, scale, slots, blocks)
 
     return (
         dq[None],

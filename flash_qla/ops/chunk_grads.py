@@ -49,18 +49,29 @@ Outputs:
     dq, dk     [T, Hqk, K]   input dtype
     dbeta, dg  [T, Hv]       fp32
 
-Schedule: grid (chunk slots, Hqk), `grads_threads` threads (two warpgroups); slots past
-the last chunk exit at once. A block loads q and k and forms Q Kᵀ and K Kᵀ once, then
-walks the Hv / Hqk v-heads of its qk-head, accumulating dq and dk. Every tile arrives by
-cp.async, each copy its own group, issued in the order of first use (q, k once; per v-head
-γ, S, dS', V, dO, dU, A) and waited for just before its first read, so the later
-tiles arrive under the first products; Q Kᵀ and K Kᵀ are formed at the first v-head's first
-wait. (γ by a synchronous load, its latency exposed before the first wait, took 3 % more:
-1.436 -> 1.391 ms at 16/32 8x4096, benchmark/NOTES.md v10.)
+Schedule: persistent, one block of `grads_threads` threads (two warpgroups) per SM
+(`blocks`); block b takes the items (chunk slot, qk-head) b, b + blocks, ..., slot-major, so the
+empty slots past the last chunk come last and a block stops at its first. For an item it walks
+the Hv / Hqk v-heads of the qk-head, accumulating dq and dk. Every tile arrives by cp.async,
+each copy its own group, and a v-head's tiles are copied while the previous v-head (of this item
+or of the block's previous item) computes, each set as soon as that one has read its tiles for
+the last time: S, dS', A and γ after the products with the states; at its end k and q (when the
+next v-head starts an item), then V, dO and dU. The next item's chunk row (first token, tokens)
+is loaded at the item's start and first read there, so no copy waits for the chunk table.
+Against a block per (chunk, qk-head), which loaded its chunk row, then q and k and its first
+v-head's tiles, and waited for them with nothing to overlap: chunk_grads ~1.36 -> ~1.29 ms at
+16/32 8x4096 (low-level backward 2.193 -> 2.131 ms), 2/8 8x4096 0.598 -> 0.587
+(benchmark/NOTES.md v18; copying ahead only the v-heads' tiles, not q, k and the chunk row,
+gained nothing: ncu put the item's first wait at 8 % of the stall samples).
 Every product runs on wgmma with fp32 accumulators, in three phases that keep few
-accumulators live: products with S (K S, Q S, K dS', v_new); the [C, C] products (dP, dN,
-N v_new, Pᵀ dO and Nᵀ dU) with the reductions; then dq and dk, which are staged in q's and k's tiles
-for whole-row 16-byte stores (from the accumulators a store writes 4 bytes of a row).
+accumulators live: the products with the states (K S, K dS', v_new = A U); the state terms
+of dq and dk (dO Sᵀ, dU Sᵀ, v_new dS'ᵀ), which also give dγ's e^γ ⊙ rowsum(scale dO ⊙ Q S −
+dU ⊙ K S) as e^γ ⊙ rowsum(scale (dO Sᵀ) ⊙ Q − (dU Sᵀ) ⊙ K) (no Q S product: C K V multiply-adds
+less a v-head); then the [C, C] products (dP, dN, Q Kᵀ, K Kᵀ in one batch; Q Kᵀ and K Kᵀ are
+formed per v-head, not kept through it: their 32 registers a thread are what lets ptxas keep
+everything else in registers), N v_new accumulated onto U (W), Pᵀ dO − Nᵀ dU, and the reductions.
+dq and dk are staged in v_new's tile, one after the other, for whole-row 16-byte stores (from the
+accumulators a store writes 4 bytes of a row).
 The four [C, C] terms of dq and dk are issued without a wait before dβ and dγ, whose
 reductions and scan use no tensor cores, and waited for after them (1.390 -> 1.375
 ms at 16/32 8x4096, 1.391 -> 1.367 at 1x32768; benchmark/NOTES.md v11 step 6). The last
@@ -72,8 +83,8 @@ Against synchronous tile copies and direct stores: 16/32 8x4096 backward 3.39 ->
 1x32768 3.99 -> 3.43 (benchmark/NOTES.md v8). The row and column sums batch each thread's
 results into one exchange between the warpgroups (`ROW_BATCH`, `COL_BATCH`): the reductions
 take 31 block-wide barriers a v-head where one exchange per result took 76; chunk_grads
-1.59 -> 1.44 ms at 16/32 8x4096, results bitwise equal (benchmark/NOTES.md v9). A chunk's first token and length come from the
-chunk table (flash_qla.ops.chunks) with one load.
+1.59 -> 1.44 ms at 16/32 8x4096, results bitwise equal (benchmark/NOTES.md v9). A chunk's first
+token and length come from the chunk table (flash_qla.ops.chunks) with one load.
 """
 
 import functools
@@ -93,6 +104,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     GROUPS = Hv // Hqk
     assert K % C == 0, "⟨S, dS'⟩ folds K rows onto C"
     assert C % 32 == 0, "the last token's totals: C // 32 elements a lane"
+    assert K == V, "dq and dk are staged in v_new's tile"
     accum = "float32"
     # Reductions over a wgmma accumulator, whose threads hold 2 of their warp's 16 rows and 2 of
     # every 8 columns (the warpgroups split the columns): a thread's results go through one
@@ -103,8 +115,10 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     COL_BATCH = 4
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
-    # a v-head's tiles in the order they are copied, one cp.async group each
-    TILE_ORDER = ("γ", "S", "dS'", "V", "dO", "dU", "A")
+    # a v-head's tiles in the order they are copied, one cp.async group each, in two sets issued
+    # where the previous v-head frees their tiles (see the docstring); an item's k and q come
+    # between γ and V, so the waits count the same groups after each tile at every v-head
+    TILE_ORDER = ("S", "dS'", "A", "γ", "V", "dO", "dU")
 
     @T.macro
     def arrived(pending):
@@ -115,6 +129,27 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     def pending_after(tile: str) -> int:
         """Groups still in flight once `tile` (and every tile copied before it) has arrived."""
         return len(TILE_ORDER) - 1 - TILE_ORDER.index(tile)
+
+    @T.macro
+    def copy_state_tiles(h, dh, A, gamma, s_s, ds_s, a_s, gam_s, slot, t0, ih):
+        """S, dS', A and γ of v-head ih of a chunk: free once the products with the states are done."""
+        T.async_copy(h[slot, ih, :, :], s_s)
+        T.async_copy(dh[slot, ih, :, :], ds_s)
+        T.async_copy(A[t0:t0 + C, ih, :], a_s)
+        T.async_copy(gamma[ih, slot, :], gam_s)
+
+    @T.macro
+    def copy_qk_tiles(q, k, q_s, k_s, t0, ihk):
+        """k and q of a chunk: free once the previous item's last products are done."""
+        T.async_copy(k[t0:t0 + C, ihk, :], k_s)
+        T.async_copy(q[t0:t0 + C, ihk, :], q_s)
+
+    @T.macro
+    def copy_grad_tiles(v, do, dv, u_s, do_s, du_s, t0, ih):
+        """V, dO and dU of v-head ih of a chunk: free once the v-head's dβ is formed."""
+        T.async_copy(v[t0:t0 + C, ih, :], u_s)
+        T.async_copy(do[t0:t0 + C, ih, :], do_s)
+        T.async_copy(dv[t0:t0 + C, ih, :], du_s)
 
     @T.prim_func
     def chunk_grads(
@@ -134,14 +169,15 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
         dg: T.Tensor([tokens, Hv], accum),
         scale: T.float32,
         slots: T.int32,
+        blocks: T.int32,
     ):
-        with T.Kernel(slots, Hqk, threads=profile.grads_threads) as (slot, ihk):
+        with T.Kernel(blocks, threads=profile.grads_threads) as bid:
             q_s = T.alloc_shared([C, K], dtype)
             k_s = T.alloc_shared([C, K], dtype)
             do_s = T.alloc_shared([C, V], dtype)  # dO
             du_s = T.alloc_shared([C, V], dtype)  # dU = dv
             u_s = T.alloc_shared([C, V], dtype)  # V, then U, then diag(e^{γ_L − γ}) K dS'
-            vn_s = T.alloc_shared([C, V], dtype)  # v_new
+            vn_s = T.alloc_shared([C, V], dtype)  # v_new, then dq and dk staged for their stores
             a_s = T.alloc_shared([C, C], dtype)
             n_s = T.alloc_shared([C, C], dtype)  # −N
             p_s = T.alloc_shared([C, C], dtype)  # scale · P
@@ -149,7 +185,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             dkk_s = T.alloc_shared([C, C], dtype)  # dN ⊙ Γ
             s_s = T.alloc_shared([K, V], dtype)  # S
             ds_s = T.alloc_shared([K, V], dtype)  # dS'
-            gam_s = T.alloc_shared([C], accum)
+            gam_s = T.alloc_shared([C], accum)  # γ as copied (the next v-head's once prefetched)
+            gc_s = T.alloc_shared([C], accum)  # this v-head's γ
             eg_s = T.alloc_shared([C], accum)
             ed_s = T.alloc_shared([C], accum)
             dg_s = T.alloc_shared([C], accum)  # dγ, row terms
@@ -158,13 +195,12 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             vk_s = T.alloc_shared([C], accum)  # ⟨v_new_i, (K dS')_i⟩
             sd_s = T.alloc_shared([C], accum)  # partial sums of ⟨S, dS'⟩
 
-            KS = T.alloc_fragment([C, V], accum)  # K S, then U
-            QS = T.alloc_fragment([C, V], accum)  # Q S, then −N v_new
+            KS = T.alloc_fragment([C, V], accum)  # K S, then U, then W = U − N v_new
             KD = T.alloc_fragment([C, V], accum)  # K dS', then scale Pᵀ dO − Nᵀ dU
             VN = T.alloc_fragment([C, V], accum)  # v_new
             X = T.alloc_fragment([C, V], accum)  # elementwise terms of row sums
-            QK = T.alloc_fragment([C, C], accum)  # Q Kᵀ, shared by the v-heads
-            KK = T.alloc_fragment([C, C], accum)  # K Kᵀ, shared by the v-heads
+            QK = T.alloc_fragment([C, C], accum)  # Q Kᵀ
+            KK = T.alloc_fragment([C, C], accum)  # K Kᵀ
             NN = T.alloc_fragment([C, C], accum)  # N
             DP = T.alloc_fragment([C, C], accum)
             DN = T.alloc_fragment([C, C], accum)
@@ -179,151 +215,211 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             r_cols = T.alloc_fragment([C], accum)
             t0 = T.alloc_var("int32")
             valid = T.alloc_var("int32")
+            next_t0 = T.alloc_var("int32")  # the block's next item's chunk: first token and tokens
+            next_valid = T.alloc_var("int32")
+            n_slot = T.alloc_var("int32")  # the next v-head's chunk slot, first token and v-head
+            n_t0 = T.alloc_var("int32")
+            n_ih = T.alloc_var("int32")
+            n_ok = T.alloc_var("int32")  # whether this block has a next v-head
             g_last = T.alloc_var(accum)
             at_last = T.alloc_var(accum)
             sd_part = T.alloc_var(accum)
             vk_part = T.alloc_var(accum)
             lane = T.get_thread_binding() % 32
 
-            t0 = chunk_table[slot, 0]
-            valid = chunk_table[slot, 1]
-            if valid > 0:
-                # every tile arrives by cp.async, each copy its own group, issued in the order of
-                # first use (q, k, then per v-head γ, S, dS', V, dO, dU, A): groups complete
-                # in order, so each wait lets the later tiles keep arriving under the products
-                T.async_copy(q[t0:t0 + C, ihk, :], q_s)
-                T.async_copy(k[t0:t0 + C, ihk, :], k_s)
-                T.clear(DQ)
-                T.clear(DK)
+            # items (chunk slot, qk-head), slot-major: the empty slots past the last chunk come
+            # last, so a block's items are valid up to its first empty one
+            items = slots * Hqk
+            next_valid = 0
+            if bid < items:
+                next_t0 = chunk_table[bid // Hqk, 0]
+                next_valid = chunk_table[bid // Hqk, 1]
+                if next_valid > 0:  # the first item's first v-head, in the order of the later copies
+                    copy_state_tiles(h, dh, A, gamma, s_s, ds_s, a_s, gam_s, bid // Hqk, next_t0, (bid % Hqk) * GROUPS)
+                    copy_qk_tiles(q, k, q_s, k_s, next_t0, bid % Hqk)
+                    copy_grad_tiles(v, do, dv, u_s, do_s, du_s, next_t0, (bid % Hqk) * GROUPS)
 
-                for hg in T.serial(GROUPS):
-                    ih = ihk * GROUPS + hg
-                    T.sync_threads()  # the previous v-head is done with its tiles
-                    # in TILE_ORDER
-                    T.async_copy(gamma[ih, slot, :], gam_s)
-                    T.async_copy(h[slot, ih, :, :], s_s)
-                    T.async_copy(dh[slot, ih, :, :], ds_s)
-                    T.async_copy(v[t0:t0 + C, ih, :], u_s)
-                    T.async_copy(do[t0:t0 + C, ih, :], do_s)
-                    T.async_copy(dv[t0:t0 + C, ih, :], du_s)
-                    T.async_copy(A[t0:t0 + C, ih, :], a_s)
+            for it in T.serial(T.ceildiv(items - bid, blocks)):
+                item = bid + it * blocks
+                slot = item // Hqk
+                ihk = item % Hqk
+                t0 = next_t0
+                valid = next_valid
+                # the next item's chunk, loaded now and first read where its tiles are copied
+                next_valid = 0
+                if item + blocks < items:
+                    next_t0 = chunk_table[(item + blocks) // Hqk, 0]
+                    next_valid = chunk_table[(item + blocks) // Hqk, 1]
+                if valid > 0:
+                    T.clear(DQ)
+                    T.clear(DK)
 
-                    arrived(pending_after("dS'"))  # q and k came before
-                    g_last = gam_s[valid - 1]
-                    for i in T.Parallel(C):  # first read after the next wait
-                        eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
-                        ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
-                    if hg == 0:  # shared by the v-heads
-                        T.gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
-                        T.gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
-                    # ⟨S, dS'⟩, summed in fp32: K rows folded onto the C rows of X
-                    T.clear(X)
-                    for b in T.unroll(K // C):
+                    for hg in T.serial(GROUPS):
+                        ih = ihk * GROUPS + hg
+                        # this v-head's tiles were copied while the previous one computed (and the
+                        # item's k and q, between γ and V)
+                        arrived(pending_after("γ"))
+                        g_last = gam_s[valid - 1]
+                        for i in T.Parallel(C):  # first read after the next wait
+                            gc_s[i] = gam_s[i]
+                            eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
+                            ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
+                        # ⟨S, dS'⟩, summed in fp32: K rows folded onto the C rows of X
+                        T.clear(X)
+                        for b in T.unroll(K // C):
+                            for i, j in T.Parallel(C, V):
+                                X[i, j] = X[i, j] + s_s[b * C + i, j] * ds_s[b * C + i, j]
+                        T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
+                        T.copy(rows, sd_s)
+
+                        # 1. products with the states; U, v_new
+                        T.wgmma_gemm(k_s, s_s, KS, clear_accum=True)
+                        T.wgmma_gemm(k_s, ds_s, KD, clear_accum=True)
+                        T.wait_wgmma(0)
+                        for acc in (KS, KD):
+                            T.warpgroup_fence_operand(acc, num_regs=C * V // profile.grads_threads)
+                        arrived(pending_after("V"))
                         for i, j in T.Parallel(C, V):
-                            X[i, j] = X[i, j] + s_s[b * C + i, j] * ds_s[b * C + i, j]
-                    T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
-                    T.copy(rows, sd_s)
+                            KS[i, j] = u_s[i, j] - eg_s[i] * KS[i, j]
+                        T.copy(KS, u_s)
+                        T.gemm(a_s, u_s, VN, clear_accum=True)
+                        T.copy(VN, vn_s)
+                        for i, j in T.Parallel(C, V):
+                            X[i, j] = VN[i, j] * KD[i, j]
+                        T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
+                        for i, j in T.Parallel(C, V):  # dv_new's K dS' term, in U's tile (free now)
+                            u_s[i, j] = KD[i, j] * ed_s[i]
+                        T.copy(rows, vk_s)
 
-                    # 1. products with the states; U, v_new
-                    T.gemm(k_s, s_s, KS, clear_accum=True)
-                    T.gemm(q_s, s_s, QS, clear_accum=True)
-                    T.gemm(k_s, ds_s, KD, clear_accum=True)
-                    arrived(pending_after("dU"))
-                    for i, j in T.Parallel(C, V):
-                        X[i, j] = eg_s[i] * (scale * do_s[i, j] * QS[i, j] - du_s[i, j] * KS[i, j])
-                    T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
-                    T.copy(rows, dg_s)
-                    for i, j in T.Parallel(C, V):
-                        KS[i, j] = u_s[i, j] - eg_s[i] * KS[i, j]
-                    T.copy(KS, u_s)
-                    arrived(pending_after("A"))
-                    T.gemm(a_s, u_s, VN, clear_accum=True)
-                    T.copy(VN, vn_s)
-                    for i, j in T.Parallel(C, V):
-                        X[i, j] = VN[i, j] * KD[i, j]
-                    T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
-                    for i, j in T.Parallel(C, V):  # dv_new's K dS' term, in U's tile (free now)
-                        u_s[i, j] = KD[i, j] * ed_s[i]
-                    T.copy(rows, vk_s)
+                        # 2. the state terms: dq += scale diag(e^γ) dO Sᵀ,
+                        #    dk += −diag(e^γ) dU Sᵀ + diag(e^{γ_L − γ}) v_new dS'ᵀ,
+                        #    and dγ's e^γ ⊙ rowsum(scale dO ⊙ Q S − dU ⊙ K S) as
+                        #    e^γ ⊙ rowsum(scale (dO Sᵀ) ⊙ Q − (dU Sᵀ) ⊙ K), from the same products
+                        arrived(pending_after("dU"))
+                        T.gemm(do_s, s_s, Y, transpose_B=True, clear_accum=True)
+                        for i, d in T.Parallel(C, K):
+                            DQ[i, d] = DQ[i, d] + Y[i, d] * (scale * eg_s[i])
+                            X[i, d] = Y[i, d] * q_s[i, d] * scale
+                        T.gemm(du_s, s_s, Y, transpose_B=True, clear_accum=True)
+                        for i, d in T.Parallel(C, K):
+                            DK[i, d] = DK[i, d] - eg_s[i] * Y[i, d]
+                            X[i, d] = (X[i, d] - Y[i, d] * k_s[i, d]) * eg_s[i]
+                        T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
+                        T.copy(rows, dg_s)
+                        T.gemm(vn_s, ds_s, Z, transpose_B=True, clear_accum=True)
+                        for i, d in T.Parallel(C, K):
+                            DK[i, d] = DK[i, d] + ed_s[i] * Z[i, d]
+                        T.sync_threads()  # S, dS', A and γ are read for the last time
+                        # the next v-head: this chunk's next one, else the block's next item's first
+                        # (formed where its tiles are copied, so that nothing holds registers between)
+                        n_ok = 0
+                        if hg + 1 < GROUPS:
+                            n_slot = slot
+                            n_t0 = t0
+                            n_ih = ih + 1
+                            n_ok = 1
+                        elif next_valid > 0:
+                            n_slot = (item + blocks) // Hqk
+                            n_t0 = next_t0
+                            n_ih = ((item + blocks) % Hqk) * GROUPS
+                            n_ok = 1
+                        if n_ok == 1:
+                            copy_state_tiles(h, dh, A, gamma, s_s, ds_s, a_s, gam_s, n_slot, n_t0, n_ih)
 
-                    # 2. the [C, C] products and the reductions over them
-                    T.gemm(do_s, vn_s, DP, transpose_B=True, clear_accum=True)
-                    T.gemm(du_s, vn_s, DN, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        G[i, j] = T.if_then_else(j <= i and i < valid, T.exp2((gam_s[i] - gam_s[j]) * LOG2E), 0.0)
-                    for i, j in T.Parallel(C, C):
-                        DP[i, j] = DP[i, j] * scale * G[i, j]  # dP ⊙ Γ
-                        DN[i, j] = T.if_then_else(j < i, -DN[i, j] * G[i, j], 0.0)  # dN ⊙ Γ
-                        R[i, j] = DP[i, j] * QK[i, j] + DN[i, j] * KK[i, j]  # dP ⊙ P + dN ⊙ N
-                        NN[i, j] = T.if_then_else(j < i, -KK[i, j] * G[i, j], 0.0)  # −N
-                        G[i, j] = QK[i, j] * G[i, j] * scale  # scale · P
-                    T.copy(DP, dqk_s)
-                    T.copy(DN, dkk_s)
-                    T.copy(NN, n_s)
-                    T.copy(G, p_s)
-                    T.reduce_sum(R, r_rows, dim=1, batch=ROW_BATCH)
-                    T.copy(r_rows, rr_s)
-                    T.reduce_sum(R, r_cols, dim=0, batch=COL_BATCH)
-                    T.copy(r_cols, rc_s)
+                        # 3. the [C, C] products and the reductions over them
+                        T.wgmma_gemm(do_s, vn_s, DP, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(du_s, vn_s, DN, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        for acc in (DP, DN, QK, KK):
+                            T.warpgroup_fence_operand(acc, num_regs=C * C // profile.grads_threads)
+                        for i, j in T.Parallel(C, C):
+                            G[i, j] = T.if_then_else(j <= i and i < valid, T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                        for i, j in T.Parallel(C, C):
+                            DP[i, j] = DP[i, j] * scale * G[i, j]  # dP ⊙ Γ
+                            DN[i, j] = T.if_then_else(j < i, -DN[i, j] * G[i, j], 0.0)  # dN ⊙ Γ
+                            R[i, j] = DP[i, j] * QK[i, j] + DN[i, j] * KK[i, j]  # dP ⊙ P + dN ⊙ N
+                            NN[i, j] = T.if_then_else(j < i, -KK[i, j] * G[i, j], 0.0)  # −N
+                            G[i, j] = QK[i, j] * G[i, j] * scale  # scale · P
+                        T.copy(DP, dqk_s)
+                        T.copy(DN, dkk_s)
+                        T.copy(NN, n_s)
+                        T.copy(G, p_s)
+                        T.reduce_sum(R, r_rows, dim=1, batch=ROW_BATCH)
+                        T.copy(r_rows, rr_s)
+                        T.reduce_sum(R, r_cols, dim=0, batch=COL_BATCH)
+                        T.copy(r_cols, rc_s)
 
-                    # W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
-                    T.gemm(n_s, vn_s, QS, clear_accum=True)
-                    T.gemm(p_s, do_s, KD, transpose_A=True, clear_accum=True)
-                    T.gemm(n_s, du_s, KD, transpose_A=True)
+                        # W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
+                        T.gemm(n_s, vn_s, KS)  # n_s holds −N
+                        T.gemm(p_s, do_s, KD, transpose_A=True, clear_accum=True)
+                        T.gemm(n_s, du_s, KD, transpose_A=True)
 
-                    # the [C, C] terms of dq and dk run on the tensor cores under dβ and dγ, which
-                    # use none: dq += (dP ⊙ Γ) K, dk += (dP ⊙ Γ)ᵀ Q + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
-                    T.wgmma_gemm(dqk_s, k_s, DQ)
-                    T.wgmma_gemm(dqk_s, q_s, DK, transpose_A=True)
-                    T.wgmma_gemm(dkk_s, k_s, DK)
-                    T.wgmma_gemm(dkk_s, k_s, DK, transpose_A=True)
+                        # the [C, C] terms of dq and dk run on the tensor cores under dβ and dγ, which
+                        # use none: dq += (dP ⊙ Γ) K, dk += (dP ⊙ Γ)ᵀ Q + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
+                        T.wgmma_gemm(dqk_s, k_s, DQ)
+                        T.wgmma_gemm(dqk_s, q_s, DK, transpose_A=True)
+                        T.wgmma_gemm(dkk_s, k_s, DK)
+                        T.wgmma_gemm(dkk_s, k_s, DK, transpose_A=True)
 
-                    for i, j in T.Parallel(C, V):
-                        X[i, j] = (u_s[i, j] + KD[i, j]) * (KS[i, j] + QS[i, j])
-                    T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
-                    for i in T.Parallel(C):
-                        if i < valid:
-                            dbeta[t0 + i, ih] = rows[i]
+                        for i, j in T.Parallel(C, V):
+                            X[i, j] = (u_s[i, j] + KD[i, j]) * KS[i, j]
+                        T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
+                        for i in T.Parallel(C):
+                            if i < valid:
+                                dbeta[t0 + i, ih] = rows[i]
 
-                    # dγ and its reverse cumsum over the chunk. The last valid token's two totals,
-                    # Σ ⟨S, dS'⟩ rows and Σ_i e^{γ_L − γ_i} vk_i, are summed by every warp at once
-                    # with shuffles
-                    sd_part = sd_s[lane]
-                    vk_part = ed_s[lane] * vk_s[lane]
-                    for r in T.unroll(1, C // 32):
-                        sd_part += sd_s[r * 32 + lane]
-                        vk_part += ed_s[r * 32 + lane] * vk_s[r * 32 + lane]
-                    at_last = T.warp_reduce_sum(sd_part) * T.exp2(g_last * LOG2E) + T.warp_reduce_sum(vk_part)
-                    for i in T.Parallel(C):
-                        dg_s[i] = (
-                            dg_s[i] + rr_s[i] - rc_s[i] - ed_s[i] * vk_s[i]
-                            + T.if_then_else(i == valid - 1, at_last, 0.0)
-                        )
-                    T.cumsum(dg_s, dim=0, reverse=True)
-                    for i in T.Parallel(C):
-                        if i < valid:
-                            dg[t0 + i, ih] = dg_s[i]
+                        # dγ and its reverse cumsum over the chunk. The last valid token's two totals,
+                        # Σ ⟨S, dS'⟩ rows and Σ_i e^{γ_L − γ_i} vk_i, are summed by every warp at once
+                        # with shuffles
+                        sd_part = sd_s[lane]
+                        vk_part = ed_s[lane] * vk_s[lane]
+                        for r in T.unroll(1, C // 32):
+                            sd_part += sd_s[r * 32 + lane]
+                            vk_part += ed_s[r * 32 + lane] * vk_s[r * 32 + lane]
+                        at_last = T.warp_reduce_sum(sd_part) * T.exp2(g_last * LOG2E) + T.warp_reduce_sum(vk_part)
+                        for i in T.Parallel(C):
+                            dg_s[i] = (
+                                dg_s[i] + rr_s[i] - rc_s[i] - ed_s[i] * vk_s[i]
+                                + T.if_then_else(i == valid - 1, at_last, 0.0)
+                            )
+                        T.cumsum(dg_s, dim=0, reverse=True)
+                        for i in T.Parallel(C):
+                            if i < valid:
+                                dg[t0 + i, ih] = dg_s[i]
 
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(DQ, num_regs=C * K // profile.grads_threads)
-                    T.warpgroup_fence_operand(DK, num_regs=C * K // profile.grads_threads)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(DQ, num_regs=C * K // profile.grads_threads)
+                        T.warpgroup_fence_operand(DK, num_regs=C * K // profile.grads_threads)
+                        T.sync_threads()  # dO, dU and U's tile are read for the last time
+                        # the next v-head again, as above (kept in registers from there, or in shared
+                        # memory, or formed by a macro into local memory, ptxas spilled 4-80 bytes)
+                        n_ok = 0
+                        if hg + 1 < GROUPS:
+                            n_slot = slot
+                            n_t0 = t0
+                            n_ih = ih + 1
+                            n_ok = 1
+                        elif next_valid > 0:
+                            n_slot = (item + blocks) // Hqk
+                            n_t0 = next_t0
+                            n_ih = ((item + blocks) % Hqk) * GROUPS
+                            n_ok = 1
+                        if n_ok == 1:
+                            if hg + 1 == GROUPS:  # q and k are read for the last time too
+                                copy_qk_tiles(q, k, q_s, k_s, n_t0, (item + blocks) % Hqk)
+                            copy_grad_tiles(v, do, dv, u_s, do_s, du_s, n_t0, n_ih)
 
-                    # 3. the state terms: dq += scale diag(e^γ) dO Sᵀ,
-                    #    dk += −diag(e^γ) dU Sᵀ + diag(e^{γ_L − γ}) v_new dS'ᵀ
-                    T.gemm(do_s, s_s, Y, transpose_B=True, clear_accum=True)
+                    # dq and dk staged in v_new's tile (free now) for whole-row 16-byte stores
+                    T.copy(DQ, vn_s)
                     for i, d in T.Parallel(C, K):
-                        DQ[i, d] = DQ[i, d] + Y[i, d] * (scale * eg_s[i])
-                    T.gemm(du_s, s_s, Y, transpose_B=True, clear_accum=True)
-                    T.gemm(vn_s, ds_s, Z, transpose_B=True, clear_accum=True)
+                        if i < valid:
+                            dq[t0 + i, ihk, d] = vn_s[i, d]
+                    T.sync_threads()
+                    T.copy(DK, vn_s)
                     for i, d in T.Parallel(C, K):
-                        DK[i, d] = DK[i, d] + ed_s[i] * Z[i, d] - eg_s[i] * Y[i, d]
-
-                # dq and dk staged in q's and k's tiles (free now) for whole-row 16-byte stores
-                T.copy(DQ, q_s)
-                T.copy(DK, k_s)
-                for i, d in T.Parallel(C, K):
-                    if i < valid:
-                        dq[t0 + i, ihk, d] = q_s[i, d]
-                        dk[t0 + i, ihk, d] = k_s[i, d]
+                        if i < valid:
+                            dk[t0 + i, ihk, d] = vn_s[i, d]
 
     return tilelang.compile(chunk_grads, target=profile.target)

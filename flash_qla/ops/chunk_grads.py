@@ -151,6 +151,17 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
         T.async_copy(do[t0:t0 + C, ih, :], do_s)
         T.async_copy(dv[t0:t0 + C, ih, :], du_s)
 
+    def next_vhead(hg, slot, t0, ih, next_item, next_t0, next_valid):
+        """The block's next v-head as expressions (whether there is one, its chunk slot, first token
+        and v-head): this chunk's next one, else the first of the block's next item."""
+        in_item = hg + 1 < GROUPS
+        return (
+            T.Or(in_item, next_valid > 0),
+            T.if_then_else(in_item, slot, next_item // Hqk),
+            T.if_then_else(in_item, t0, next_t0),
+            T.if_then_else(in_item, ih + 1, (next_item % Hqk) * GROUPS),
+        )
+
     @T.prim_func
     def chunk_grads(
         q: T.Tensor([tokens, Hqk, K], dtype),
@@ -217,10 +228,6 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             valid = T.alloc_var("int32")
             next_t0 = T.alloc_var("int32")  # the block's next item's chunk: first token and tokens
             next_valid = T.alloc_var("int32")
-            n_slot = T.alloc_var("int32")  # the next v-head's chunk slot, first token and v-head
-            n_t0 = T.alloc_var("int32")
-            n_ih = T.alloc_var("int32")
-            n_ok = T.alloc_var("int32")  # whether this block has a next v-head
             g_last = T.alloc_var(accum)
             at_last = T.alloc_var(accum)
             sd_part = T.alloc_var(accum)
@@ -310,20 +317,10 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         for i, d in T.Parallel(C, K):
                             DK[i, d] = DK[i, d] + ed_s[i] * Z[i, d]
                         T.sync_threads()  # S, dS', A and γ are read for the last time
-                        # the next v-head: this chunk's next one, else the block's next item's first
-                        # (formed where its tiles are copied, so that nothing holds registers between)
-                        n_ok = 0
-                        if hg + 1 < GROUPS:
-                            n_slot = slot
-                            n_t0 = t0
-                            n_ih = ih + 1
-                            n_ok = 1
-                        elif next_valid > 0:
-                            n_slot = (item + blocks) // Hqk
-                            n_t0 = next_t0
-                            n_ih = ((item + blocks) % Hqk) * GROUPS
-                            n_ok = 1
-                        if n_ok == 1:
+                        # the next v-head, formed where its tiles are copied (held in registers
+                        # through the v-head, or in shared memory, ptxas spilled 4-80 bytes)
+                        n_ok, n_slot, n_t0, n_ih = next_vhead(hg, slot, t0, ih, item + blocks, next_t0, next_valid)
+                        if n_ok:
                             copy_state_tiles(h, dh, A, gamma, s_s, ds_s, a_s, gam_s, n_slot, n_t0, n_ih)
 
                         # 3. the [C, C] products and the reductions over them
@@ -393,20 +390,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         T.warpgroup_fence_operand(DQ, num_regs=C * K // profile.grads_threads)
                         T.warpgroup_fence_operand(DK, num_regs=C * K // profile.grads_threads)
                         T.sync_threads()  # dO, dU and U's tile are read for the last time
-                        # the next v-head again, as above (kept in registers from there, or in shared
-                        # memory, or formed by a macro into local memory, ptxas spilled 4-80 bytes)
-                        n_ok = 0
-                        if hg + 1 < GROUPS:
-                            n_slot = slot
-                            n_t0 = t0
-                            n_ih = ih + 1
-                            n_ok = 1
-                        elif next_valid > 0:
-                            n_slot = (item + blocks) // Hqk
-                            n_t0 = next_t0
-                            n_ih = ((item + blocks) % Hqk) * GROUPS
-                            n_ok = 1
-                        if n_ok == 1:
+                        n_ok, n_slot, n_t0, n_ih = next_vhead(hg, slot, t0, ih, item + blocks, next_t0, next_valid)
+                        if n_ok:
                             if hg + 1 == GROUPS:  # q and k are read for the last time too
                                 copy_qk_tiles(q, k, q_s, k_s, n_t0, (item + blocks) % Hqk)
                             copy_grad_tiles(v, do, dv, u_s, do_s, du_s, n_t0, n_ih)

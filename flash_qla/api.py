@@ -156,7 +156,7 @@ def chunk_gated_delta_rule(
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
         o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens, auto_cp)
     else:  # nothing to differentiate: no autograd node, nothing saved for a backward
-        _, _, o, _, final_state, _, _ = _forward(*args, False, seqlens, auto_cp)
+        _, _, o, _, final_state, _, _, _ = _forward(*args, False, seqlens, auto_cp)
     return _unpack(o, B, T), _state_out(final_state, state_v_first)
 
 
@@ -212,7 +212,7 @@ def chunk_gated_delta_rule_fwd(
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     B, T = q.shape[:2]
     with torch.no_grad():
-        g_cum, A, o, h, final_state, _, _ = _forward(
+        g_cum, A, o, h, final_state, _, _, _ = _forward(
             *_pack(q, k, v, g, beta),
             _default_scale(scale, q),
             _state_in(initial_state, state_v_first, q),

@@ -6,16 +6,18 @@ from flash_qla.dispatch import _backward, _forward
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """o, final_state from packed, validated inputs (see flash_qla.dispatch); saves A (and, where
-    the planner keeps them, state checkpoints and the split walk's maps) for the backward."""
+    """o, final_state from packed, validated inputs (see flash_qla.dispatch); saves A and, on the
+    GPU, kkt_solve's P, γ and gates (and, where the planner keeps them, state checkpoints and the
+    split walk's maps) for the backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, seqlens, auto_cp):
         """seqlens, auto_cp: as flash_qla.dispatch._forward takes them."""
-        g_cum, A, o, _, final_state, checkpoints, maps = _forward(
+        g_cum, A, o, _, final_state, checkpoints, maps, chunk_terms = _forward(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, False, seqlens, auto_cp, True
         )
-        ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints, maps)
+        P, gamma, gates = chunk_terms if chunk_terms is not None else (None, None, None)
+        ctx.save_for_backward(q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints, maps, P, gamma, gates)
         ctx.scale = scale
         ctx.g_dtype = g.dtype
         ctx.seqlens, ctx.auto_cp = seqlens, auto_cp  # the backward plans from the same lengths
@@ -23,9 +25,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints, maps = ctx.saved_tensors
+        q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints, maps, P, gamma, gates = ctx.saved_tensors
+        chunk_terms = (P, gamma, gates) if P is not None else None
         dq, dk, dv, dbeta, dg, dh0 = _backward(
             q, k, v, g_cum, beta, A, do, dht, ctx.scale, initial_state, cu_seqlens, ctx.seqlens, checkpoints, maps,
-            ctx.auto_cp,
+            ctx.auto_cp, chunk_terms,
         )  # fmt: skip
         return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None, dh0, None, None, None, None

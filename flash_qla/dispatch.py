@@ -41,6 +41,8 @@ def _forward(
         None unless training with auto_cp, and on the PyTorch path.
     maps : for _backward, or None: when a training forward walked its sequence in pieces, the
         pieces' maps (flash_qla.ops.context_parallel), which the backward walk's split reuses.
+    chunk_terms : for _backward, or None: when training on the GPU, kkt_solve's P, γ and gates
+        (flash_qla.ops.kkt_solve), which the backward then takes instead of computing them again.
     """
     if q.is_cuda:
         from flash_qla.ops.forward import forward_kernels
@@ -53,17 +55,17 @@ def _forward(
     outputs = chunk_gated_delta_rule_fwd_ref(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h
     )
-    return (*outputs, None, None)
+    return (*outputs, None, None, None)
 
 
 def _backward(
     q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints=None, maps=None,
-    auto_cp=False,
+    auto_cp=False, chunk_terms=None,
 ):  # fmt: skip
-    """Core backward; g_cum, A, checkpoints and maps are what _forward returned, do [1, T, Hv, V],
-    dht [N, Hv, K, V] or None; seqlens, auto_cp as for _forward: the planner may then walk long
-    sequences in pieces where the forward would (after a forward that split, maps given, the
-    backward walk splits the same pieces).
+    """Core backward; g_cum, A, checkpoints, maps and chunk_terms are what _forward returned,
+    do [1, T, Hv, V], dht [N, Hv, K, V] or None; seqlens, auto_cp as for _forward: the planner may
+    then walk long sequences in pieces where the forward would (after a forward that split, maps
+    given, the backward walk splits the same pieces).
 
     Returns
     -------
@@ -77,6 +79,7 @@ def _backward(
 
         _check_kernel_inputs(q, v)
         return backward_kernels(
-            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp
-        )
+            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp,
+            chunk_terms,
+        )  # fmt: skip
     return chunk_gated_delta_rule_bwd_ref(q, k, v, g_cum, beta, do, dht, scale, initial_state, cu_seqlens)

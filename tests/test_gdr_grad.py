@@ -13,6 +13,8 @@ write fails the check):
 - test_backward_is_deterministic: two runs of one backward give bitwise-identical gradients.
 - test_chunk_grads_independent_of_block_count: chunk_grads' persistent blocks (one per SM) give
   bitwise the gradients of one block and of three walking every chunk, empty slots included.
+- test_training_backward_takes_the_forward_kkt_outputs: the training backward reuses the forward's
+  P, γ and gates (no kkt_solve) and matches the low-level backward bitwise.
 - test_checkpointed_recompute_is_exact, test_split_backward_matches_whole_walk: the backward's
   state recompute from the forward's checkpoints, and its walk split into pieces of a sequence.
 - test_training_matches_reference: a tiny GatedDeltaNet layer trained with the kernels and with the
@@ -211,6 +213,25 @@ def test_chunk_grads_independent_of_block_count(case_id, monkeypatch):
     for blocks in (1, 3):
         for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), backward(blocks), every_sm):
             assert torch.equal(a, b), (blocks, name)
+
+
+def test_training_backward_takes_the_forward_kkt_outputs(monkeypatch):
+    """A training forward keeps kkt_solve's P, γ and gates: its backward launches no kkt_solve, and its
+    gradients are bitwise those of the low-level backward, which computes the three again (varlen
+    edges, GVA 2, h0 and dht; short sequences: neither backward splits or restarts from checkpoints)."""
+    case = next(c for c in CASES if c.id == "varlen_edges_h0")
+    x, cu, h0 = case_inputs(case, seed=9)
+    do = _randn(x["v"].shape, x["v"].dtype, 10)
+    dht = _randn((_num_seqs(case), case.heads[1], 128, 128), torch.float32, 11)
+    g_cum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu)
+    low_level = flash_qla.chunk_gated_delta_rule_bwd(
+        x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu
+    )
+    kkt_builds = record_calls(monkeypatch, backward_module, "kkt_solve_kernel")
+    got = _grads(flash_qla_gdr, {**x, "initial_state": h0}, do, dht, cu_seqlens=cu)
+    assert not kkt_builds, "the training backward ran kkt_solve again"
+    for name, want in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), low_level):
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
 
 
 CHECKPOINT_CASES = [  # forward walks at V-tiles of 32 and 16, the recompute's pieces at 64

@@ -2,7 +2,13 @@
 
 Reads like flash_qla/reference/backward_stages.py:
   1. kkt_solve (backward mode): P = Q Kᵀ ⊙ Γ ⊙ Lower and chunk-major γ (and its
-     exponentials) from g_cum; A is the forward's (kept, not recomputed);
+     exponentials) from g_cum; A is the forward's (kept, not recomputed). After a training
+     forward (autograd) this launch is skipped: the forward's kkt_solve wrote the same P, γ
+     and gates for its own walk, and training keeps them (`chunk_terms`). That costs P's
+     activation memory, the size of A (134 MB a layer at 16/32 and T = 32768 in bf16; γ and
+     the gates add 13 MB) and saves the launch: training step on the H200 at 16/32 8x4096
+     2.697 -> 2.577 ms, gradients bitwise equal (benchmark/NOTES.md v19). The low-level
+     backward, which gets only g_cum and A, computes them;
   2. the forward walk, STATES_ONLY: the states S at every chunk start, recomputed in the
      input dtype. Keeping them from the forward instead would cost [chunks, Hv, K, V] of
      activation memory, 4x the size of A (537 MB per layer in bf16 at 16/32 and T = 32768).
@@ -58,25 +64,28 @@ def backward_walk_kernel(BV: int):
 
 
 def backward_kernels(
-    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp
-):
+    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp,
+    chunk_terms,
+):  # fmt: skip
     """The GPU backward; arguments and returns as flash_qla.dispatch._backward.
 
     q, k [1, T, Hqk, K]; v, do [1, T, Hv, V]; g_cum, beta [1, T, Hv]; A [1, T, Hv, 64];
     cu_seqlens [N + 1] int32 and the lengths it holds (host ints); dht, initial_state
-    [N, Hv, K, V] float32 or None; checkpoints, maps: what the forward returned for them, or
-    None; auto_cp: the backward walk splits the sequences where the forward walk would
+    [N, Hv, K, V] float32 or None; checkpoints, maps, chunk_terms: what the forward returned for
+    them, or None; auto_cp: the backward walk splits the sequences where the forward walk would
     (splits_forward); it always splits the pieces of a forward that split (their maps given).
     """
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
         return _backward_kernels(
-            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp
-        )
+            q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp,
+            chunk_terms,
+        )  # fmt: skip
 
 
 def _backward_kernels(
-    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp
-):
+    q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp,
+    chunk_terms,
+):  # fmt: skip
     profile = get_profile(q.device)
     C = profile.chunk
     _, T, Hqk, K = q.shape
@@ -86,7 +95,6 @@ def _backward_kernels(
     beta_dtype, g_dtype = beta.dtype, g_cum.dtype
     q, k, v = (x[0].contiguous() for x in (q, k, v))
     do, A = (x[0].to(q.dtype).contiguous() for x in (do, A))
-    g_cum = g_cum[0].to(torch.float32).contiguous()
     cu_seqlens = cu_seqlens.contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
     slots = T // C + N  # upper bound of the number of chunks, known without a sync
@@ -94,12 +102,16 @@ def _backward_kernels(
     placeholder = buffers.placeholder(q.device, Hv, K, V)
     f32 = torch.float32
 
-    # 1. P and chunk-major γ
-    gamma = buffers.new((Hv, slots, C), f32, q.device)
-    gates = buffers.new((Hv, slots, 2, C), f32, q.device)
-    P = buffers.new((T, Hv, C), q.dtype, q.device)
-    kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, "float32", True)  # backward mode: β is not read
-    executable(kkt)(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
+    # 1. P and chunk-major γ, unless the (training) forward kept its own
+    if chunk_terms is not None:
+        P, gamma, gates = chunk_terms
+    else:
+        gamma = buffers.new((Hv, slots, C), f32, q.device)
+        gates = buffers.new((Hv, slots, 2, C), f32, q.device)
+        P = buffers.new((T, Hv, C), q.dtype, q.device)
+        g_cum = g_cum[0].to(f32).contiguous()
+        kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, "float32", True)  # backward mode: β is not read
+        executable(kkt)(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
 
     # 2. states at every chunk start (the final state is a by-product; o is not computed), over
     # the sequences or, from the forward's checkpoints, over pieces of them

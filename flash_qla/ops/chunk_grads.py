@@ -64,7 +64,10 @@ v-head's tiles, and waited for them with nothing to overlap: chunk_grads ~1.36 -
 (benchmark/NOTES.md v18; copying ahead only the v-heads' tiles, not q, k and the chunk row,
 gained nothing: ncu put the item's first wait at 8 % of the stall samples).
 Every product runs on wgmma with fp32 accumulators, in three phases that keep few
-accumulators live: the products with the states (K S, K dS', v_new = A U); the state terms
+accumulators live: the products with the states (K S, K dS', v_new = A U; ⟨S, dS'⟩'s fold runs
+on the CUDA cores while K S and K dS' are on the tensor cores: low-level backward 16/32 8x4096
+2.125 -> 2.113 ms, 2/8 0.584 -> 0.578, gradients bitwise equal; benchmark/NOTES.md v19 step 3,
+which also lists reorderings and load paths that lost); the state terms
 of dq and dk (dO Sᵀ, dU Sᵀ, v_new dS'ᵀ), which also give dγ's e^γ ⊙ rowsum(scale dO ⊙ Q S −
 dU ⊙ K S) as e^γ ⊙ rowsum(scale (dO Sᵀ) ⊙ Q − (dU Sᵀ) ⊙ K) (no Q S product: C K V multiply-adds
 less a v-head); then the [C, C] products (dP, dN, Q Kᵀ, K Kᵀ in one batch; Q Kᵀ and K Kᵀ are
@@ -271,17 +274,16 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                             gc_s[i] = gam_s[i]
                             eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
                             ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
-                        # ⟨S, dS'⟩, summed in fp32: K rows folded onto the C rows of X
+                        # 1. products with the states; U, v_new. Under K S and K dS': ⟨S, dS'⟩, summed in
+                        #    fp32, K rows folded onto the C rows of X
+                        T.wgmma_gemm(k_s, s_s, KS, clear_accum=True)
+                        T.wgmma_gemm(k_s, ds_s, KD, clear_accum=True)
                         T.clear(X)
                         for b in T.unroll(K // C):
                             for i, j in T.Parallel(C, V):
                                 X[i, j] = X[i, j] + s_s[b * C + i, j] * ds_s[b * C + i, j]
                         T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
                         T.copy(rows, sd_s)
-
-                        # 1. products with the states; U, v_new
-                        T.wgmma_gemm(k_s, s_s, KS, clear_accum=True)
-                        T.wgmma_gemm(k_s, ds_s, KD, clear_accum=True)
                         T.wait_wgmma(0)
                         for acc in (KS, KD):
                             T.warpgroup_fence_operand(acc, num_regs=C * V // profile.grads_threads)

@@ -288,6 +288,7 @@ def _forward_kernels(
         final_state if output_final_state else None,
         checkpoints,
         maps,
+        (P, gamma, gates) if training else None,  # the backward's kkt_solve outputs (flash_qla.ops.backward)
     )
 
 

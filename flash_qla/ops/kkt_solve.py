@@ -81,7 +81,8 @@ def kkt_solve_kernel(
     """Compile (or load from TileLang's cache) the kkt+solve stage for one static config.
 
     BACKWARD: g is already g_cum (the forward's output) and only gamma, gates and P are written:
-    the backward keeps the forward's A and needs P and chunk-major γ again (β is not read).
+    the low-level backward, given the forward's g_cum and A, needs P and chunk-major γ again (β is
+    not read); a training backward takes the forward's own (flash_qla.ops.backward).
     """
     assert beta_dtype in (dtype, "float32") and not (BACKWARD and beta_dtype != "float32")
     C = profile.chunk

@@ -23,7 +23,12 @@ Reads like flash_qla/reference/backward_stages.py:
      that many chunks, all in parallel: long sequences over few heads give it too few
      blocks otherwise. The states are the same either way (each piece starts from the fp32
      state the forward walk had there, and walks the same arithmetic). Training step, H200:
-     16/32 1x32768 4.05 -> 3.78 ms, 2/8 1x32768 2.24 -> 1.81 (benchmark/NOTES.md v11);
+     16/32 1x32768 4.05 -> 3.78 ms, 2/8 1x32768 2.24 -> 1.81 (benchmark/NOTES.md v11).
+     It runs on a second stream beside step 3, which does not read the states: where few
+     heads leave SMs idle, each walk runs in the other's idle SMs (results bitwise the same).
+     H200, one stream -> two (benchmark/NOTES.md v19): low-level backward 2/8 1x32768 1.185
+     -> 0.926 ms, 4/8 5000+70+0+3000 0.358 -> 0.254; training step 4/8 5000+70+0+3000 0.449 ->
+     0.377, 2/8 1x32768 0.941 -> 0.926; 16/32 unchanged within 0.02 ms (its walks fill the SMs);
   3. the backward walk (fused_bwd_wide for V-tiles of 64 or 128 columns, fused_bwd for
      narrower ones): the state gradients dS' walked backward in time, dv, dh0. Long
      sequences over few heads walk in pieces where the forward split them (it hands over its
@@ -56,6 +61,16 @@ from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 from flash_qla.ops.launch import executable
+
+
+_side_streams: dict = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A second stream of the device, for the state recompute beside the backward walk."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 def backward_walk_kernel(BV: int):
@@ -114,26 +129,33 @@ def _backward_kernels(
         executable(kkt)(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
 
     # 2. states at every chunk start (the final state is a by-product; o is not computed), over
-    # the sequences or, from the forward's checkpoints, over pieces of them
+    # the sequences or, from the forward's checkpoints, over pieces of them. On a second stream,
+    # beside step 3 (the backward walk does not read the states): each runs in the SMs the other
+    # leaves idle. Every tensor the second stream touches is allocated before it forks (or on it)
+    # and referenced here until the join before step 4, so the allocator reuses none of it early
     h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
     if checkpoints is None:
-        walks, firsts, h0 = cu_seqlens, chunk_offsets, initial_state
+        walks, firsts = cu_seqlens, chunk_offsets
         BV_h = choose_block_v(N, Hv, V, profile, RECOMPUTE_CHUNK_COST)
     else:
         walks, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, profile.checkpoint_chunks)
-        h0 = checkpoints.index_select(0, rows)
         # the empty pieces past the last (walks has room for N + slots // checkpoint_chunks)
         # exit at once: the width is chosen for the pieces that walk
         pieces = checkpoint_pieces_expected(N, T, profile)
         BV_h = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
-    n_walks = walks.numel() - 1
-    fused = walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, dtype, profile, h0 is not None, True, True)
-    ht = torch.empty(n_walks, Hv, K, V, dtype=f32, device=q.device)
-    # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
-    executable(fused)(
-        q, k, v, walk_gate(BV_h, gamma, gates), A, P, walks, firsts,
-        placeholder if h0 is None else h0.contiguous(), v, ht, h, scale,
-    )  # fmt: skip
+    has_start = checkpoints is not None or initial_state is not None
+    fused = walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, dtype, profile, has_start, True, True)
+    ht = torch.empty(walks.numel() - 1, Hv, K, V, dtype=f32, device=q.device)
+    main = torch.cuda.current_stream(q.device)
+    beside = side_stream(q.device)
+    beside.wait_stream(main)
+    with torch.cuda.stream(beside):
+        h0 = checkpoints.index_select(0, rows) if checkpoints is not None else initial_state
+        # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
+        executable(fused)(
+            q, k, v, walk_gate(BV_h, gamma, gates), A, P, walks, firsts,
+            placeholder if h0 is None else h0.contiguous(), v, ht, h, scale,
+        )  # fmt: skip
 
     # 3. state gradients, backward in time, over the sequences or over pieces of them
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
@@ -167,7 +189,8 @@ def _backward_kernels(
             placeholder if dht is None else dht, dh, dv, dh0, scale,
         )  # fmt: skip
 
-    # 4. chunk gradients
+    # 4. chunk gradients, once the states are there
+    main.wait_stream(beside)
     dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
     dbeta, dg = buffers.new((T, Hv), f32, q.device), buffers.new((T, Hv), f32, q.device)
     grads = chunk_grads_kernel(Hqk, Hv, K, V, dtype, profile)

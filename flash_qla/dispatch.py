@@ -62,16 +62,18 @@ def _backward(
     q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints=None, maps=None,
     auto_cp=False, chunk_terms=None,
 ):  # fmt: skip
-    """Core backward; g_cum, A, checkpoints, maps and chunk_terms are what _forward returned,
-    do [1, T, Hv, V], dht [N, Hv, K, V] or None; seqlens, auto_cp as for _forward: the planner may
-    then walk long sequences in pieces where the forward would (after a forward that split, maps
-    given, the backward walk splits the same pieces).
+    """Core backward; g_cum, A, checkpoints, maps and chunk_terms are what _forward returned (g_cum
+    may be None when chunk_terms is given: the GPU backward then does not read it), do [1, T, Hv, V],
+    dht [N, Hv, K, V] or None; seqlens, auto_cp as for _forward: the planner may then walk long
+    sequences in pieces where the forward would (after a forward that split, maps given, the
+    backward walk splits the same pieces).
 
     Returns
     -------
     dq, dk, dv, dbeta, dg, dh0
         Each in its input's dtype; dg w.r.t. the raw gate g (the reverse chunk-local cumsum of
-        the gradient w.r.t. g_cum), in g_cum's dtype; dh0 None without initial_state.
+        the gradient w.r.t. g_cum), in g_cum's dtype (float32 without g_cum); dh0 None without
+        initial_state.
         The kernels use A; the reference recomputes the forward and ignores it.
     """
     if q.is_cuda:

@@ -58,6 +58,24 @@ def test_outputs_and_gradients_match_naive(case):
         assert rel_err(got[name], expected[name]) <= FP64_REL, name
 
 
+@pytest.mark.parametrize("used", ["o", "final_state"])
+def test_gradients_of_one_output(used):
+    """A loss of o alone (or final_state alone): the other output's gradient never arrives, and none
+    is made up for it (the backward takes None); the gradients are the oracle's."""
+    x = VARLEN.inputs()
+    grads = {}
+    for name, fn in (("got", api_with_final_state), ("want", naive_recurrent_gated_delta_rule)):
+        leaves = {n: x[n].clone().requires_grad_() for n in GRAD_INPUTS}
+        outputs = dict(zip(("o", "final_state"), fn(**{**x, **leaves})))
+        loss = (outputs[used] * randn_like(outputs[used], seed=3)).sum()
+        grads[name] = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    for n, got, want in zip(GRAD_INPUTS, grads["got"], grads["want"]):
+        if want is None:  # q does not reach final_state
+            assert not got.any(), n
+        else:
+            assert rel_err(got, want) <= FP64_REL, n
+
+
 OPTIONS = [
     ("state-v-first", dict(state_v_first=True)),
     ("qk-l2norm", dict(use_qk_l2norm_in_kernel=True)),

@@ -17,6 +17,11 @@ write fails the check):
   P, γ and gates (no kkt_solve) and matches the low-level backward bitwise.
 - test_checkpointed_recompute_is_exact, test_split_backward_matches_whole_walk: the backward's
   state recompute from the forward's checkpoints, and its walk split into pieces of a sequence.
+- test_gradients_of_one_output: a loss of o alone (the backward gets dht None, not a filled zero
+  tensor) or of final_state alone, against the reference.
+- test_cuda_graph_replays_the_eager_results: a training step, and the low-level forward and
+  backward, captured in a CUDA graph (the backward's second stream joins the capture) and replayed
+  on new inputs give the eager results bitwise.
 - test_training_matches_reference: a tiny GatedDeltaNet layer trained with the kernels and with the
   reference on the GPU reaches the same loss, and the loss goes down.
 """
@@ -30,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_qla
+import flash_qla.autograd as autograd_module
 import flash_qla.ops.backward as backward_module
 import flash_qla.ops.forward as forward_module
 from flash_qla.reference.chunked import _forward_from_gcum, chunk_gated_delta_rule_bwd_ref, chunk_local_cumsum
@@ -397,6 +403,82 @@ def test_no_host_sync_once_cu_seqlens_is_validated(split, monkeypatch):
         calls()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("used", ["o", "final_state"])
+def test_gradients_of_one_output(used, poisoned, monkeypatch):
+    """A loss of o alone (final_state returned but unused, as in most training) or of final_state
+    alone: the unused output's gradient reaches the backward as None, not as a filled zero tensor
+    (without dht the backward walk runs its no-dht form); the gradients match the reference
+    (varlen edges, GVA 2, h0)."""
+    case = next(c for c in CASES if c.id == "varlen_edges_h0")
+    seed = zlib.crc32(f"one_output_{used}".encode())
+    x, cu, h0 = case_inputs(case, seed)
+    inputs = {**x, "initial_state": h0}
+    upstream = {
+        "o": _randn(x["v"].shape, x["v"].dtype, seed + 1),
+        "final_state": _randn((_num_seqs(case), case.heads[1], 128, 128), torch.float32, seed + 2),
+    }[used]
+    backward_calls = record_calls(monkeypatch, autograd_module, "_backward")
+    grads = {}
+    for name, gdr, dtype in (("got", flash_qla_gdr, None), ("want", reference_gdr, torch.float32)):
+        leaves = {n: t.detach().to(dtype or t.dtype).requires_grad_() for n, t in inputs.items()}
+        outputs = dict(zip(("o", "final_state"), gdr(**leaves, cu_seqlens=cu)))
+        grads[name] = torch.autograd.grad(
+            outputs[used], list(leaves.values()), upstream.to(outputs[used].dtype), allow_unused=True
+        )
+    (args,) = backward_calls
+    do, dht = args[6], args[7]
+    assert (dht is None) if used == "o" else (not do.any() and dht is not None)
+    for n, got, want in zip(inputs, grads["got"], grads["want"]):
+        assert torch.isfinite(got).all(), n
+        if want is None:  # q does not reach final_state
+            assert not got.any(), n
+        else:
+            assert rel_l2(got, want) <= GRAD_TOL, (n, rel_l2(got, want))
+
+
+@pytest.mark.parametrize("entry", ["training_step", "low_level"])
+def test_cuda_graph_replays_the_eager_results(entry):
+    """A training step through autograd, or the low-level forward and backward, captured in a CUDA
+    graph and replayed on new inputs (copied into the captured ones) gives the eager results bitwise:
+    the backward's second stream forks from the capturing stream and joins it again (varlen edges,
+    GVA 2, h0 and dht; kernels and the cu_seqlens tables warmed up by an eager call first)."""
+    case = next(c for c in CASES if c.id == "varlen_edges_h0")
+    static, cu, h0 = case_inputs(case, seed=31)
+    static["initial_state"] = h0
+    shape = (_num_seqs(case), case.heads[1], 128, 128)
+    static["do"], static["dht"] = _randn(static["v"].shape, static["v"].dtype, 32), _randn(shape, torch.float32, 33)
+
+    def step(t):
+        inputs = {n: t[n] for n in ("q", "k", "v", "g", "beta", "initial_state")}
+        if entry == "training_step":
+            leaves = {n: x.detach().requires_grad_() for n, x in inputs.items()}
+            o, ht = flash_qla.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, output_final_state=True)
+            return (o, ht, *torch.autograd.grad([o, ht], list(leaves.values()), [t["do"], t["dht"]]))
+        g_cum, A, o, _, ht = flash_qla.chunk_gated_delta_rule_fwd(**inputs, cu_seqlens=cu)
+        grads = flash_qla.chunk_gated_delta_rule_bwd(
+            t["q"], t["k"], t["v"], g_cum, t["beta"], A, t["do"], t["dht"], initial_state=t["initial_state"],
+            cu_seqlens=cu,
+        )
+        return (o, ht, *grads)
+
+    step(static)  # compiles, validates cu_seqlens, builds its tables
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(static)
+    fresh, _, fresh_h0 = case_inputs(case, seed=34)
+    fresh["initial_state"] = fresh_h0
+    fresh["do"], fresh["dht"] = _randn(static["v"].shape, static["v"].dtype, 35), _randn(shape, torch.float32, 36)
+    for name in fresh:
+        static[name].copy_(fresh[name])
+    graph.replay()
+    eager = step({n: t.clone() for n, t in static.items()})
+    torch.cuda.synchronize()
+    assert len(captured) == len(eager)
+    for i, (got, want) in enumerate(zip(captured, eager)):
+        assert torch.equal(got, want), f"output {i}"
 
 
 # ---- training smoke test ------------------------------------------------------------------------

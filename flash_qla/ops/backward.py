@@ -84,7 +84,8 @@ def backward_kernels(
 ):  # fmt: skip
     """The GPU backward; arguments and returns as flash_qla.dispatch._backward.
 
-    q, k [1, T, Hqk, K]; v, do [1, T, Hv, V]; g_cum, beta [1, T, Hv]; A [1, T, Hv, 64];
+    q, k [1, T, Hqk, K]; v, do [1, T, Hv, V]; g_cum (or None, given chunk_terms), beta [1, T, Hv];
+    A [1, T, Hv, 64];
     cu_seqlens [N + 1] int32 and the lengths it holds (host ints); dht, initial_state
     [N, Hv, K, V] float32 or None; checkpoints, maps, chunk_terms: what the forward returned for
     them, or None; auto_cp: the backward walk splits the sequences where the forward walk would
@@ -107,7 +108,7 @@ def _backward_kernels(
     Hv, V = v.shape[2], v.shape[3]
     N = cu_seqlens.numel() - 1
     dtype = DTYPE_NAMES[q.dtype]
-    beta_dtype, g_dtype = beta.dtype, g_cum.dtype
+    beta_dtype, g_dtype = beta.dtype, torch.float32 if g_cum is None else g_cum.dtype
     q, k, v = (x[0].contiguous() for x in (q, k, v))
     do, A = (x[0].to(q.dtype).contiguous() for x in (do, A))
     cu_seqlens = cu_seqlens.contiguous()

@@ -42,7 +42,7 @@ upper bound T // C + N; slots past the last chunk exit at once. q and k arrive b
 cp.async (rows past the end zero-filled) while γ and β are loaded and γ summed (6 %
 faster than synchronous loads). Q Kᵀ and K Kᵀ run together on the tensor cores
 (wgmma, fp32 accumulate); one element-wise pass then scales both accumulators in registers,
-with one exponential Γ_ij for both, and a second stores P and M to shared memory (one pass
+with one exponential Γ_ij for both, and a second (after the masks) stores P and M to shared memory (one pass
 doing both waited for each element's γ loads behind the previous element's stores, which
 the compiler cannot reorder: the split took kkt_solve 0.349 -> 0.311 ms at 16/32 8x4096).
 The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
@@ -56,6 +56,14 @@ The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
      of X₂₁, and skips the k-steps where the triangular X₁₁ or X₂₂ is zero: 5 / 8 of the
      full products' multiply-adds in the 32 -> 64 merge, the same count in every warp.
 M and X share one fp32 buffer: each block of M is read before X overwrites it.
+The stage is bound by the L1's load/store pipe (ncu: 85 % busy, two thirds of it shared-memory
+loads, the merges' operands the most; benchmark/NOTES.md v20 steps 4-4b), so its shared-memory
+traffic is laid out for few wavefronts: the masks are applied in registers, so that P and M are
+stored as unconditional copies, two columns a thread at once; rows of M and X are 72 floats
+apart (`PAD`), where those 8-byte stores and the merges' row loads hit distinct banks; each
+thread reads its four columns of β once for A's read-out. Against the masked scalar stores, rows
+68 floats apart and β read for every row: kkt_solve 0.295 -> 0.287 ms at 16/32 8x4096, 0.078
+-> 0.076 at 2/8, outputs bitwise equal (v20 step 6).
 """
 
 import functools
@@ -67,7 +75,7 @@ from flash_qla.arch import ArchProfile
 
 LOG2E = 1.4426950408889634
 DIAG = 16  # diagonal blocks inverted by forward substitution
-PAD = 4  # floats of padding per row of the fp32 shared matrices
+PAD = 8  # floats of padding per row of the fp32 shared matrices (banks: the module docstring)
 # bf16/fp16 elements of padding per row of P's staging tile: rows 144 bytes apart, so the 8
 # rows that a warp's accumulator stores touch at once start in 8 different banks (unpadded,
 # all 8 start in bank 0: 8-way conflicts; 5 % of kkt_solve's time on the H200)
@@ -110,8 +118,9 @@ def kkt_solve_kernel(
         w = tx % per_problem // 32
         lane = tx % 32
         base = 2 * s * b
-        # T₁ = M₂₁ X₁₁: lanes are 16 row groups x 2 groups of 4 columns
-        ra = lane // 2 * rows
+        # T₁ = M₂₁ X₁₁: lanes are 16 row groups x 2 groups of 4 columns; rows ra and ra + 16, so that
+        # the 4 rows a quarter-warp loads at once are neighbours (72 floats apart: distinct banks)
+        ra = lane // 2
         ca = 8 * w + lane % 2 * 4
         for e in T.unroll(rows * 4):
             acc[e] = 0.0
@@ -120,11 +129,11 @@ def kkt_solve_kernel(
                 for rr in T.unroll(rows):
                     for cc in T.unroll(4):
                         acc[rr * 4 + cc] += (
-                            x_s[base + s + ra + rr, base + kb * 8 + k8] * x_s[base + kb * 8 + k8, base + ca + cc]
+                            x_s[base + s + ra + 16 * rr, base + kb * 8 + k8] * x_s[base + kb * 8 + k8, base + ca + cc]
                         )
         for rr in T.unroll(rows):
             for cc in T.unroll(4):
-                t_s[b * s + ra + rr, ca + cc] = acc[rr * 4 + cc]
+                t_s[b * s + ra + 16 * rr, ca + cc] = acc[rr * 4 + cc]
         # X₂₁ = −X₂₂ T₁: lanes are 8 // rows row groups x s // 4 groups of 4 columns
         rb = 8 * w + lane // (s // 4) * rows
         cb = lane % (s // 4) * 4
@@ -170,6 +179,7 @@ def kkt_solve_kernel(
             QK = T.alloc_fragment([C, C], accum)
             xc = T.alloc_local([DIAG], accum)  # this lane's column of its diagonal block of X
             acc = T.alloc_local([8], accum)
+            bcol = T.alloc_local([4], accum)  # β of this thread's four columns of A
             t0 = T.alloc_var("int32")
             valid = T.alloc_var("int32")
 
@@ -212,10 +222,15 @@ def kkt_solve_kernel(
                     QK[i, j] = QK[i, j] * decay
                     if not BACKWARD:
                         KK[i, j] = beta_s[i] * KK[i, j] * decay
+                # the masks in registers, then unconditional copies: two columns a thread in one store
                 for i, j in T.Parallel(C, C):
-                    p_s[i, j] = T.if_then_else(j <= i, QK[i, j], 0.0)
+                    QK[i, j] = T.if_then_else(j <= i, QK[i, j], 0.0)
                     if not BACKWARD:
-                        x_s[i, j] = T.if_then_else(j < i and i < valid, KK[i, j], 0.0)
+                        KK[i, j] = T.if_then_else(j < i and i < valid, KK[i, j], 0.0)
+                for i, j in T.Parallel(C, C):
+                    p_s[i, j] = QK[i, j]
+                    if not BACKWARD:
+                        x_s[i, j] = KK[i, j]
                 for i, j in T.Parallel(C, C):
                     if i < valid:
                         P[t0 + i, ih, j] = p_s[i, j]
@@ -236,8 +251,14 @@ def kkt_solve_kernel(
                     merge(x_s, t_s, acc, tx, DIAG)
                     merge(x_s, t_s, acc, tx, 2 * DIAG)
 
-                    for i, j in T.Parallel(C, C):
-                        if i < valid:
-                            A[t0 + i, ih, j] = x_s[i, j] * beta_s[j]
+                    # A = X diag(β): thread t reads and writes columns 4 (t % 16) .. + 3 of every
+                    # 16th row, with their four β read once
+                    for c in T.vectorized(4):
+                        bcol[c] = beta_s[tx % 16 * 4 + c]
+                    for r in T.unroll(C * C // (4 * THREADS)):
+                        row = r * (THREADS // 16) + tx // 16
+                        if row < valid:
+                            for c in T.vectorized(4):
+                                A[t0 + row, ih, tx % 16 * 4 + c] = x_s[row, tx % 16 * 4 + c] * bcol[c]
 
     return tilelang.compile(kkt_solve, target=profile.target)

@@ -30,8 +30,8 @@ Outputs:
                          matrix; columns past the row (and past the chunk's end) are 0
 
 Schedule: grid (Hv, chunk slots), one warpgroup per block, `profile.kkt_blocks_per_sm`
-blocks resident per SM (a register cap for ptxas: the stage is latency bound, so
-occupancy pays). The v-heads of a chunk are neighbours in the launch order, so the
+blocks resident per SM (a register cap for ptxas: blocks overlap each other's loads and
+solves, so occupancy pays). The v-heads of a chunk are neighbours in the launch order, so the
 v-heads of one qk-head read its q and k tiles from L2 rather than each from DRAM (with
 the slots first, at 16/32 8x4096: forward mode 0.307 -> 0.294 ms, backward mode 0.144 ->
 0.117, outputs bitwise equal; benchmark/NOTES.md v11). Slot j reads its chunk's first
@@ -42,9 +42,10 @@ upper bound T // C + N; slots past the last chunk exit at once. q and k arrive b
 cp.async (rows past the end zero-filled) while γ and β are loaded and γ summed (6 %
 faster than synchronous loads). Q Kᵀ and K Kᵀ run together on the tensor cores
 (wgmma, fp32 accumulate); one element-wise pass then scales both accumulators in registers,
-with one exponential Γ_ij for both, and a second (after the masks) stores P and M to shared memory (one pass
-doing both waited for each element's γ loads behind the previous element's stores, which
-the compiler cannot reorder: the split took kkt_solve 0.349 -> 0.311 ms at 16/32 8x4096).
+with one exponential Γ_ij for both, and a second (after the masks) stores P and M to shared
+memory (one pass doing both waited for each element's γ loads behind the previous element's
+stores, which the compiler cannot reorder: the split took kkt_solve 0.349 -> 0.311 ms at
+16/32 8x4096).
 The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
   1. the four 16 x 16 diagonal blocks by forward substitution, one warp per block and
      one column of the block per lane (lanes l and l + 16 share one): a column needs no
@@ -52,7 +53,7 @@ The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
      stays in registers until the block is done;
   2. two doubling merges (16 -> 32 -> 64), X₂₁ = −X₂₂ (M₂₁ X₁₁), as CUDA-core products
      with register tiles (4 or 8 outputs per thread) over operands in padded shared
-     memory (row stride C + 4 floats). Each warp owns 8 columns of M₂₁ X₁₁, then 8 rows
+     memory (row stride C + PAD floats). Each warp owns 8 columns of M₂₁ X₁₁, then 8 rows
      of X₂₁, and skips the k-steps where the triangular X₁₁ or X₂₂ is zero: 5 / 8 of the
      full products' multiply-adds in the 32 -> 64 merge, the same count in every warp.
 M and X share one fp32 buffer: each block of M is read before X overwrites it.

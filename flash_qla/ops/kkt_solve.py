@@ -119,8 +119,9 @@ def kkt_solve_kernel(
         w = tx % per_problem // 32
         lane = tx % 32
         base = 2 * s * b
-        # T₁ = M₂₁ X₁₁: lanes are 16 row groups x 2 groups of 4 columns; rows ra and ra + 16, so that
-        # the 4 rows a quarter-warp loads at once are neighbours (72 floats apart: distinct banks)
+        # T₁ = M₂₁ X₁₁: lanes are 16 row groups x 2 groups of 4 columns; rows ra (and ra + 16 when
+        # s = 32), so that the 4 rows a quarter-warp loads at once are neighbours (72 floats apart:
+        # distinct banks)
         ra = lane // 2
         ca = 8 * w + lane % 2 * 4
         for e in T.unroll(rows * 4):
@@ -252,8 +253,8 @@ def kkt_solve_kernel(
                     merge(x_s, t_s, acc, tx, DIAG)
                     merge(x_s, t_s, acc, tx, 2 * DIAG)
 
-                    # A = X diag(β): thread t reads and writes columns 4 (t % 16) .. + 3 of every
-                    # 16th row, with their four β read once
+                    # A = X diag(β): thread t reads and writes columns 4 (t % 16) .. + 3 of rows
+                    # t // 16, t // 16 + 8, ..., with their four β read once
                     for c in T.vectorized(4):
                         bcol[c] = beta_s[tx % 16 * 4 + c]
                     for r in T.unroll(C * C // (4 * THREADS)):

@@ -1,7 +1,7 @@
 """flash_qla vs FLA Triton on the DESIGN.md §4 set: GPU kernel time and whole-call latency.
 
     python benchmark/bench_gated_delta_rule.py [--mode fwd|train|bwd] [--full] [--heads 16/32 ...]
-                                               [--seqs 1x32768 ...] [--reps 30] [--warmup 5]
+                                               [--seqs 1x32768 ...] [--reps 30] [--warmup 5] [--keep-states]
                                                [--out benchmark/benchmark_results_H200.txt [--append]]
 
 What one timed call is, per --mode (q, k, v, g, beta from make_inputs; do, dht random, seed 1):
@@ -9,7 +9,8 @@ What one timed call is, per --mode (q, k, v, g, beta from make_inputs; do, dht r
          inputs not requiring grad.
   train  a training step: the public forward on leaves requiring grad (made once), then
          torch.autograd.grad([o, final_state], [q, k, v, g, beta], [do, dht]); the graph is
-         built afresh and freed by every call, and no .grad accumulates.
+         built afresh and freed by every call, and no .grad accumulates. --keep-states: ours
+         with keep_states=True (the forward keeps the states, the backward recomputes none).
   bwd    the low-level backward alone, from what one untimed low-level forward saved. Ours:
          chunk_gated_delta_rule_bwd(q, k, v, g_cum, beta, A, do, dht, cu_seqlens) after
          g_cum, A, ... = chunk_gated_delta_rule_fwd(...). FLA: fla.ops.gated_delta_rule.chunk's
@@ -116,7 +117,7 @@ def load_fla():
     return api, fla.__version__
 
 
-def implementations(x, cu, fla_api):
+def implementations(x, cu, fla_api, keep_states=False):
     """{name: (call, saved_backward)} for ours and, when installed, FLA.
 
     call(**inputs) -> (o, final_state) is the public, differentiable function on x's packing cu.
@@ -132,7 +133,9 @@ def implementations(x, cu, fla_api):
         )
 
     def ours(**inputs):
-        return flash_qla.chunk_gated_delta_rule(**inputs, cu_seqlens=cu, output_final_state=True)
+        return flash_qla.chunk_gated_delta_rule(
+            **inputs, cu_seqlens=cu, output_final_state=True, keep_states=keep_states
+        )  # fmt: skip
 
     impls = {"ours": (ours, ours_backward)}
     if fla_api is None:
@@ -163,7 +166,7 @@ def make_step(mode, call, saved_backward, x, do, dht):
     return lambda: bwd(do, dht)
 
 
-def bench_config(mode, heads, seqs, fla_api, reps, warmup):
+def bench_config(mode, heads, seqs, fla_api, reps, warmup, keep_states=False):
     Hqk, Hv = (int(x) for x in heads.split("/"))
     seqlens = parse_seqs(seqs)
     T, K, V = sum(seqlens), 128, 128
@@ -173,7 +176,7 @@ def bench_config(mode, heads, seqs, fla_api, reps, warmup):
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(x["v"].dtype)
     dht = torch.randn(len(seqlens), Hv, K, V, generator=gen, device="cuda")
     row = {"heads": heads, "seqs": seqs, "floor": floor_ms(T, Hqk, Hv)}
-    for name, (call, saved_backward) in implementations(x, cu, fla_api).items():
+    for name, (call, saved_backward) in implementations(x, cu, fla_api, keep_states).items():
         fn = make_step(mode, call, saved_backward, x, do, dht)
         for _ in range(warmup):
             fn()
@@ -202,9 +205,12 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", help="also write the table here, under the command, versions, GPU, mode")
     parser.add_argument("--append", action="store_true", help="train/bwd modes: add to --out, not overwrite")
+    parser.add_argument("--keep-states", action="store_true", help="train mode: ours with keep_states=True")
     args = parser.parse_args()
     if args.append and (args.mode == "fwd" or not args.out):
         parser.error("--append needs --out and --mode train or bwd")
+    if args.keep_states and args.mode != "train":
+        parser.error("--keep-states needs --mode train")
 
     if args.heads or args.seqs:
         configs = [(h, s) for h in args.heads or DEFAULT_HEADS for s in args.seqs or DEFAULT_SEQS]
@@ -218,13 +224,13 @@ def main():
     lines = [
         "# " + " ".join(["python", *sys.argv]),
         f"# GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, flash_qla {flash_qla.__version__}, "
-        f"fla {fla_version} (FLA_FLASH_QLA=0), bf16, K = V = 128, mode {args.mode} ({MODES[args.mode]}), "
-        f"ms (median of {args.reps})",
+        f"fla {fla_version} (FLA_FLASH_QLA=0), bf16, K = V = 128, mode {args.mode} ({MODES[args.mode]}"
+        f"{'; ours with keep_states=True' if args.keep_states else ''}), ms (median of {args.reps})",
         format_line(HEADER, with_floor),
     ]
     print("\n".join(lines), flush=True)
     for heads, seqs in configs:
-        r = bench_config(args.mode, heads, seqs, fla_api, args.reps, args.warmup)
+        r = bench_config(args.mode, heads, seqs, fla_api, args.reps, args.warmup, args.keep_states)
         ours_k, ours_c = r["ours_kernel"], r["ours_call"]
         fla_k, fla_c = r.get("fla_kernel", float("nan")), r.get("fla_call", float("nan"))
         line = format_line(

@@ -84,6 +84,7 @@ def chunk_gated_delta_rule(
     state_v_first=False,
     auto_cp=True,
     head_first=False,
+    keep_states=False,
 ):
     """Gated Delta Rule over whole sequences, differentiable.
 
@@ -130,6 +131,16 @@ def chunk_gated_delta_rule(
         The gradients are the same either way, up to rounding where the walks split.
     head_first : bool
         Must be False: [B, H, T, D] inputs are not supported.
+    keep_states : bool
+        With a gradient to compute on the GPU, keep the state at every chunk start from the
+        forward for the backward (in q's dtype, [T / 64 + N, Hv, K, V]: 512 bytes a token and
+        v-head in bf16, 4x the A kept anyway) instead of recomputing them there: memory between
+        the forward and the backward for time. Measured on the H200 (benchmark/NOTES.md v22):
+        a training step at 16/32 over 8 x 4096 tokens 2.568 -> 2.449 ms, 1 x 32768 3.342 ->
+        3.167, 2/8 8 x 4096 0.715 -> 0.653; what the forward keeps for the backward at 16/32
+        and 32768 tokens 268 -> 788 MiB, the step's peak unchanged (the backward's recompute
+        allocates the states anyway). The gradients are bitwise the same either way. Ignored
+        without a gradient to compute and on the PyTorch path.
 
     Returns
     -------
@@ -154,7 +165,7 @@ def chunk_gated_delta_rule(
     )
     seqlens = _host_seqlens(cu_seqlens, B, T)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-        o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens, auto_cp)
+        o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens, auto_cp, keep_states)
     else:  # nothing to differentiate: no autograd node, nothing saved for a backward
         _, _, o, _, final_state, _, _, _ = _forward(*args, False, seqlens, auto_cp)
     return _unpack(o, B, T), _state_out(final_state, state_v_first)

@@ -24,11 +24,13 @@ def _check_kernel_inputs(q, v):
 
 def _forward(
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp=False,
-    training=False,
+    training=False, keep_states=False,
 ):  # fmt: skip
     """Core forward; g is the raw gate. seqlens: the sequence lengths (host ints, as validation read
     them from cu_seqlens: no sync here). auto_cp: the planner may walk long sequences in pieces
     and, when training (a backward will follow), keep state checkpoints for it where they pay.
+    keep_states (training, GPU): keep the state at every chunk start for the backward, which then
+    does not recompute them (chunk_terms).
 
     Returns
     -------
@@ -42,7 +44,8 @@ def _forward(
     maps : for _backward, or None: when a training forward walked its sequence in pieces, the
         pieces' maps (flash_qla.ops.context_parallel), which the backward walk's split reuses.
     chunk_terms : for _backward, or None: when training on the GPU, kkt_solve's P, γ and gates
-        (flash_qla.ops.kkt_solve), which the backward then takes instead of computing them again.
+        (flash_qla.ops.kkt_solve) and, with keep_states, the states at every chunk start (else
+        None), which the backward then takes instead of computing them again.
     """
     if q.is_cuda:
         from flash_qla.ops.forward import forward_kernels
@@ -50,7 +53,7 @@ def _forward(
         _check_kernel_inputs(q, v)
         return forward_kernels(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp,
-            training,
+            training, keep_states,
         )  # fmt: skip
     outputs = chunk_gated_delta_rule_fwd_ref(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h

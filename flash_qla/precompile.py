@@ -1,10 +1,11 @@
 """Ahead-of-time compilation of every kernel one head layout needs, on any machine.
 
     python -m flash_qla.precompile --arch sm90 --heads 16/32 --dtype bfloat16 [--cache-dir DIR]
-                                   [--forward-only] [--jobs N]
+                                   [--forward-only | --keep-states] [--jobs N]
 
 Every kernel training runs (the forward's, the backward's and the forward walk that keeps
-checkpoints), unless --forward-only (inference: the forward's).
+checkpoints), unless --forward-only (inference: the forward's); with --keep-states also the
+forward walks of chunk_gated_delta_rule(..., keep_states=True).
 Compiles into TileLang's kernel cache (``--cache-dir`` or ``TILELANG_CACHE_DIR``); no GPU
 is needed. At run time the library builds the identical target for the GPU it runs on,
 so a precompiled cache is hit and the first call does not stall on compilation. Run
@@ -40,7 +41,9 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=parse_heads, action="append", required=True, help="Hqk/Hv, may repeat")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), action="append", help="may repeat (default bfloat16)")
     parser.add_argument("--cache-dir", help="TileLang cache directory (default: TILELANG_CACHE_DIR or TileLang's)")
-    parser.add_argument("--forward-only", action="store_true", help="only the inference forward's kernels")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--forward-only", action="store_true", help="only the inference forward's kernels")
+    modes.add_argument("--keep-states", action="store_true", help="also the walks of training with keep_states")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     args = parser.parse_args(argv)
     if args.cache_dir:
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
 
     from flash_qla.arch import profile_by_name
     from flash_qla.ops.backward import backward_kernel_builds
-    from flash_qla.ops.forward import forward_kernel_builds
+    from flash_qla.ops.forward import forward_kernel_builds, kept_states_kernel_builds
 
     profile = profile_by_name(args.arch)
     jobs = []
@@ -57,6 +60,8 @@ def main(argv=None) -> int:
             jobs += forward_kernel_builds(profile, hqk, hv, dtype)
             if not args.forward_only:
                 jobs += backward_kernel_builds(profile, hqk, hv, dtype)
+            if args.keep_states:
+                jobs += kept_states_kernel_builds(profile, hqk, hv, dtype)
     start = time.time()
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs) as pool:

@@ -241,6 +241,7 @@ def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(forward, "forward_kernel_builds", fake_builds("fwd"))
     monkeypatch.setattr(backward, "backward_kernel_builds", fake_builds("bwd"))
+    monkeypatch.setattr(forward, "kept_states_kernel_builds", fake_builds("keep"))
     monkeypatch.delenv("TILELANG_CACHE_DIR", raising=False)
     argv = ["--heads", "16/32", "--heads", "4/8", "--dtype", "bfloat16", "--dtype", "float16", "--cache-dir", str(tmp_path)]
     assert precompile_main(argv) == 0
@@ -252,3 +253,9 @@ def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
     built.clear()
     assert precompile_main(["--heads", "4/8", "--forward-only", "--cache-dir", str(tmp_path)]) == 0
     assert built == [("fwd", 4, 8, "bfloat16")]
+
+    built.clear()
+    assert precompile_main(["--heads", "4/8", "--keep-states", "--cache-dir", str(tmp_path)]) == 0
+    assert built == [("fwd", 4, 8, "bfloat16"), ("bwd", 4, 8, "bfloat16"), ("keep", 4, 8, "bfloat16")]
+    with pytest.raises(SystemExit):  # training's kernels with the kept states' walks, or the forward's alone
+        precompile_main(["--heads", "4/8", "--keep-states", "--forward-only"])

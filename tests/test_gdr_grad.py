@@ -17,6 +17,9 @@ write fails the check):
   P, γ and gates (no kkt_solve) and matches the low-level backward bitwise.
 - test_checkpointed_recompute_is_exact, test_split_backward_matches_whole_walk: the backward's
   state recompute from the forward's checkpoints, and its walk split into pieces of a sequence.
+- test_kept_states_give_the_recomputed_gradients, test_kept_states_are_saved_only_when_asked:
+  keep_states (the forward keeps every state, the backward recomputes none) gives bitwise the
+  gradients of the recompute, and saves the states only when asked.
 - test_gradients_of_one_output: a loss of o alone (the backward gets dht None, not a filled zero
   tensor) or of final_state alone, against the reference.
 - test_cuda_graph_replays_the_eager_results: a training step, and the low-level forward and
@@ -269,6 +272,57 @@ def test_checkpointed_recompute_is_exact(case, poisoned, monkeypatch):
     for name, got in grads[True].items():
         assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) or non-finite elements"
         assert torch.equal(got, grads[False][name]), name
+
+
+KEEP_STATES_CASES = [  # (case, auto_cp): the forward walks that keep every state, at each width and route
+    (next(c for c in CASES if c.id == "varlen_4096x8"), True),  # V-tiles of 128 (fused_fwd_wide)
+    (next(c for c in CASES if c.id == "strong_gate"), True),  # V-tiles of 64, h0, strong decay
+    (Case("keep_varlen_edges_h0", (0, 1, 63, 64, 65, 0, 130, 1), heads=(4, 16), h0=True), True),
+    # one long sequence over few heads: the training forward splits it (pieces at V-tiles of 32) ...
+    (Case("keep_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), True),
+    # ... or, without auto_cp, walks it whole at V-tiles of 16 (fused_fwd)
+    (Case("keep_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), False),
+]
+
+
+@pytest.mark.parametrize(
+    "case,auto_cp", KEEP_STATES_CASES, ids=[f"{c.id}-{'cp' if cp else 'no_cp'}" for c, cp in KEEP_STATES_CASES]
+)
+def test_kept_states_give_the_recomputed_gradients(case, auto_cp, poisoned, monkeypatch):
+    """keep_states: the training forward stores the state at every chunk start (every slot the
+    backward reads written: outputs start as NaN) and the backward runs no state walk; the gradients
+    are bitwise those of the backward that recomputes the states (the same walk arithmetic, in the
+    forward instead of the backward)."""
+    seed = zlib.crc32(case.id.encode())
+    x, cu, h0 = case_inputs(case, seed)
+    inputs = dict(x) if h0 is None else {**x, "initial_state": h0}
+    do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
+    dht = _randn((_num_seqs(case), case.heads[1], 128, 128), torch.float32, seed + 2)
+    state_walks = record_calls(monkeypatch, backward_module, "walk_kernel")
+    grads = {}
+    for keep in (False, True):
+        state_walks.clear()
+        grads[keep] = _grads(flash_qla_gdr, inputs, do, dht, cu_seqlens=cu, auto_cp=auto_cp, keep_states=keep)
+        assert len(state_walks) == int(not keep), "the backward recomputes the states exactly when none were kept"
+    for name, got in grads[True].items():
+        assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) or non-finite elements"
+        assert torch.equal(got, grads[False][name]), (name, rel_l2(got, grads[False][name]))
+
+
+def test_kept_states_are_saved_only_when_asked():
+    """The states ([chunk slots, Hv, K, V] in q's dtype) are among the autograd node's saved tensors
+    exactly with keep_states; checkpoints are not kept beside them."""
+    case = Case("keep_saved", (5000, 3000), heads=(2, 8))
+    x, cu, _ = case_inputs(case, seed=12)
+    slots = sum(case.seqlens) // 64 + len(case.seqlens)
+    for keep in (False, True):
+        leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
+        o, _ = flash_qla_gdr(**leaves, cu_seqlens=cu, keep_states=keep)
+        saved = [t for t in o.grad_fn.saved_tensors if t is not None]
+        states = [t for t in saved if t.shape == (slots, 8, 128, 128)]
+        assert len(states) == int(keep) and all(t.dtype == x["q"].dtype for t in states)
+        if keep:
+            assert not any(t.dtype == torch.float32 and t.shape[1:] == (8, 128, 128) for t in saved), "checkpoints"
 
 
 SPLIT_BACKWARD_CASES = [  # (case, pass dht, the split forced: else the planner's own)

@@ -19,7 +19,7 @@ from flash_qla.arch import SM90
 from flash_qla.ops.backward import backward_kernel_builds
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
 from flash_qla.ops.compose_maps import compose_maps_kernel
-from flash_qla.ops.forward import BLOCK_V_CHOICES, forward_kernel_builds
+from flash_qla.ops.forward import BLOCK_V_CHOICES, forward_kernel_builds, kept_states_kernel_builds
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
@@ -52,6 +52,9 @@ KERNELS = [
     ("fused_fwd_wide_bv64_checkpoints", fused_fwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, False, False, False, True), ("wgmma_rs", "tma_load")),
     ("fused_bwd_wide_dht_dh0", fused_bwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_bwd_wide_fp16", fused_bwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
+    # a training forward with keep_states: every state in the input dtype, beside o
+    ("fused_fwd_keep_h", fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True, False, False, False, True), ("wgmma", "tma_load")),
+    ("fused_fwd_wide_keep_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True, False, False, False, True), ("wgmma_rs", "tma_load")),
     # a split walk's pieces: M from I with V = 0 (MAPS), b from 0; no o, no h
     ("fused_fwd_maps", fused_fwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, False, True, False, True), ("wgmma", "tma_load")),
     ("fused_fwd_wide_maps", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True, False, True), ("wgmma_rs", "tma_load")),
@@ -80,7 +83,7 @@ def test_kernel_compiles_for_sm90(name, factory, args, instructions):
 NO_LOCAL_MEMORY = (
     "kkt_solve", "fused_fwd_bv32_h0_h", "fused_fwd_bv16", "fused_bwd_bv32_dht_dh0", "fused_bwd_bv16_dht",
     "fused_fwd_wide_bv64_h0_h", "fused_fwd_wide_h0_h", "fused_fwd_wide_states_only", "fused_bwd_wide_bv64_dht",
-    "fused_bwd_wide_dht_dh0", "chunk_grads",
+    "fused_bwd_wide_dht_dh0", "chunk_grads", "fused_fwd_keep_h", "fused_fwd_wide_keep_h",
 )  # fmt: skip
 
 
@@ -118,6 +121,25 @@ def test_maps_walks_read_only_what_they_need(factory, BV):
     assert "v_desc" in offsets and "v_desc" not in maps
     reads_h0 = re.compile(r"\bh0\s*[\[+]")
     assert reads_h0.search(recompute) and not reads_h0.search(maps)
+
+
+@pytest.mark.parametrize("factory,BV", [(fused_fwd_kernel, 32), (fused_fwd_wide_kernel, 128)])
+def test_kept_states_are_stored_as_the_recompute_stores_them(factory, BV):
+    """KEEP_H (a training forward with keep_states) stores h as the backward's recompute does, in the
+    input dtype (fused_fwd by TMA from its S tile, fused_fwd_wide from its staging tile), and o
+    beside it; STORE_H alone (the low-level forward's output_h) stores fp32."""
+
+    def h_store(source):
+        signature = source[source.index("__global__"):].split("{")[0]
+        return "h_desc" in source, set(re.findall(r"(\w+)\* __restrict__ h\b", signature))
+
+    keep = factory(16, 32, 128, 128, BV, "bfloat16", SM90, True, True, False, False, False, True).get_kernel_source()
+    recompute = factory(16, 32, 128, 128, BV, "bfloat16", SM90, True, True, True).get_kernel_source()
+    output_h = factory(16, 32, 128, 128, BV, "bfloat16", SM90, True, True).get_kernel_source()
+    assert h_store(keep) == h_store(recompute) != h_store(output_h)
+    assert h_store(output_h)[1] == {"float"}
+    writes_o = re.compile(r"\bo\s*[\[+]")
+    assert writes_o.search(keep) and writes_o.search(output_h) and not writes_o.search(recompute)
 
 
 @pytest.mark.parametrize("states_only", [False, True])
@@ -209,3 +231,11 @@ def test_precompile_lists_every_backward_kernel():
     # offsets walk; the reverse composition with and without dht; chunk_grads
     assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2 + 1
     assert not set(builds) & set(forward_kernel_builds(SM90, 16, 32, "bfloat16"))
+
+
+def test_precompile_lists_the_kept_states_walks():
+    """--keep-states adds the forward walks that keep every state (each width, with and without h0)."""
+    builds = kept_states_kernel_builds(SM90, 16, 32, "bfloat16")
+    assert len(builds) == len(set(builds)) == len(BLOCK_V_CHOICES) * 2
+    others = forward_kernel_builds(SM90, 16, 32, "bfloat16") + backward_kernel_builds(SM90, 16, 32, "bfloat16")
+    assert not set(builds) & set(others)

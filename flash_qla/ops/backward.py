@@ -17,7 +17,13 @@ Reads like flash_qla/reference/backward_stages.py:
      ~0.15 and ~0.12, estimated; both walks then stored h element by element from
      registers), where the recompute takes 0.29 and 0.30 ms (v13, its h stores staged
      through shared memory: 0.35 and 0.36 before): keeping them would save ~0.2 ms of a
-     3.0-3.7 ms training step for 4x A's memory. Memory wins at the lengths training runs. Where a training forward kept checkpoints (the state every
+     3.0-3.7 ms training step for 4x A's memory. Memory wins at the lengths training runs, so
+     recomputing is the default; chunk_gated_delta_rule(..., keep_states=True) makes the other
+     choice: the training forward walk stores them in the input dtype, staged as the
+     recompute stores them, and this step is skipped (`chunk_terms`' states). Measured (v22):
+     training step 16/32 8x4096 2.568 -> 2.449 ms, 1x32768 3.342 -> 3.167, 2/8 8x4096 0.715
+     -> 0.653, gradients bitwise equal; the forward keeps 520 MiB more at 16/32 8x4096.
+     Where a training forward kept checkpoints (the state every
      profile.checkpoint_chunks chunks in fp32, 1/16 of h's bytes in bf16;
      flash_qla.ops.forward.keeps_checkpoints), the walk restarts from them in pieces of
      that many chunks, all in parallel: long sequences over few heads give it too few
@@ -119,8 +125,9 @@ def _backward_kernels(
     f32 = torch.float32
 
     # 1. P and chunk-major γ, unless the (training) forward kept its own
+    states = None
     if chunk_terms is not None:
-        P, gamma, gates = chunk_terms
+        P, gamma, gates, states = chunk_terms
     else:
         gamma = buffers.new((Hv, slots, C), f32, q.device)
         gates = buffers.new((Hv, slots, 2, C), f32, q.device)
@@ -134,29 +141,33 @@ def _backward_kernels(
     # beside step 3 (the backward walk does not read the states): each runs in the SMs the other
     # leaves idle. Every tensor the second stream touches is allocated before it forks (or on it)
     # and referenced here until the join before step 4, so the allocator reuses none of it early
-    h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
-    if checkpoints is None:
-        walks, firsts = cu_seqlens, chunk_offsets
-        BV_h = choose_block_v(N, Hv, V, profile, RECOMPUTE_CHUNK_COST)
-    else:
-        walks, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, profile.checkpoint_chunks)
-        # the empty pieces past the last (walks has room for N + slots // checkpoint_chunks)
-        # exit at once: the width is chosen for the pieces that walk
-        pieces = checkpoint_pieces_expected(N, T, profile)
-        BV_h = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
-    has_start = checkpoints is not None or initial_state is not None
-    fused = walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, dtype, profile, has_start, True, True)
-    ht = torch.empty(walks.numel() - 1, Hv, K, V, dtype=f32, device=q.device)
     main = torch.cuda.current_stream(q.device)
-    beside = side_stream(q.device)
-    beside.wait_stream(main)
-    with torch.cuda.stream(beside):
-        h0 = checkpoints.index_select(0, rows) if checkpoints is not None else initial_state
-        # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
-        executable(fused)(
-            q, k, v, walk_gate(BV_h, gamma, gates), A, P, walks, firsts,
-            placeholder if h0 is None else h0.contiguous(), v, ht, h, scale,
-        )  # fmt: skip
+    beside = None
+    if states is not None:  # kept by the training forward (keep_states): nothing to recompute
+        h = states
+    else:
+        h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
+        if checkpoints is None:
+            walks, firsts = cu_seqlens, chunk_offsets
+            BV_h = choose_block_v(N, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+        else:
+            walks, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, profile.checkpoint_chunks)
+            # the empty pieces past the last (walks has room for N + slots // checkpoint_chunks)
+            # exit at once: the width is chosen for the pieces that walk
+            pieces = checkpoint_pieces_expected(N, T, profile)
+            BV_h = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+        has_start = checkpoints is not None or initial_state is not None
+        fused = walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, dtype, profile, has_start, True, True)
+        ht = torch.empty(walks.numel() - 1, Hv, K, V, dtype=f32, device=q.device)
+        beside = side_stream(q.device)
+        beside.wait_stream(main)
+        with torch.cuda.stream(beside):
+            h0 = checkpoints.index_select(0, rows) if checkpoints is not None else initial_state
+            # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
+            executable(fused)(
+                q, k, v, walk_gate(BV_h, gamma, gates), A, P, walks, firsts,
+                placeholder if h0 is None else h0.contiguous(), v, ht, h, scale,
+            )  # fmt: skip
 
     # 3. state gradients, backward in time, over the sequences or over pieces of them
     dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
@@ -191,7 +202,8 @@ def _backward_kernels(
         )  # fmt: skip
 
     # 4. chunk gradients, once the states are there
-    main.wait_stream(beside)
+    if beside is not None:
+        main.wait_stream(beside)
     dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
     dbeta, dg = buffers.new((T, Hv), f32, q.device), buffers.new((T, Hv), f32, q.device)
     grads = chunk_grads_kernel(Hqk, Hv, K, V, dtype, profile)

@@ -5,7 +5,8 @@ chunks of each (sequence, v-head, V-tile) that produces o, the final state and, 
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
 for narrower ones. Long sequences over few heads walk in pieces instead (splits_forward,
 flash_qla.ops.context_parallel). A training forward may keep state
-checkpoints for the backward's recompute (keeps_checkpoints, flash_qla.ops.backward).
+checkpoints for the backward's recompute (keeps_checkpoints, flash_qla.ops.backward) or,
+asked to (keep_states), every state, so that the backward recomputes none.
 """
 
 from __future__ import annotations
@@ -193,8 +194,9 @@ def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
 
 
 def forward_kernels(
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training
-):
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training,
+    keep_states=False,
+):  # fmt: skip
     """The GPU forward; arguments and returns as flash_qla.dispatch._forward.
 
     q, k [1, T, Hqk, K]; v [1, T, Hv, V]; g, beta [1, T, Hv]; cu_seqlens [N + 1] int32 and the
@@ -205,13 +207,14 @@ def forward_kernels(
     with torch.cuda.device(q.device):  # launches go to q's device, not the current one
         return _forward_kernels(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp,
-            training,
+            training, keep_states,
         )  # fmt: skip
 
 
 def _forward_kernels(
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training
-):
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training,
+    keep_states,
+):  # fmt: skip
     device = q.device
     profile = get_profile(device)
     C = profile.chunk
@@ -235,21 +238,25 @@ def _forward_kernels(
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, DTYPE_NAMES.get(beta.dtype, "float32"))
     executable(kkt)(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, slots)
 
-    h = None
+    assert not (keep_states and (output_h or not training)), "states are kept for a training backward"
+    h = None  # output_h's fp32 states, or the kept ones in the input dtype, indexed by chunk slot
     if output_h:
         h = buffers.new((sum(-(-n // C) for n in seqlens), Hv, K, V), torch.float32, device)
+    elif keep_states:
+        h = buffers.new((slots, Hv, K, V), q.dtype, device)
+    store_h = output_h or keep_states
     h0 = initial_state.contiguous() if initial_state is not None else None
     split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
     checkpoints = None  # kept for a backward where they pay, and always when the walk split: free then
     maps = None
-    if training and auto_cp and (split or keeps_checkpoints(seqlens, Hv, V, profile)):
+    if training and auto_cp and not keep_states and (split or keeps_checkpoints(seqlens, Hv, V, profile)):
         checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), torch.float32, device)
 
     if split:  # pieces: the start states are the checkpoints
         pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
         BV = choose_block_v(pieces, Hv, V, profile)
         BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
-        walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, output_h)
+        walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, store_h, KEEP_H=keep_states)
         # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY)
         map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
         offsets = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True)
@@ -261,6 +268,7 @@ def _forward_kernels(
         )  # fmt: skip
         if checkpoints is not None:
             checkpoints.index_copy_(0, rows, starts)
+        if training:
             maps = D  # the backward walk splits the same pieces (flash_qla.ops.backward)
     else:
         if checkpoints is not None:  # the rows of the sequences' initial states
@@ -274,8 +282,10 @@ def _forward_kernels(
         final_state = buffers.new((N, Hv, K, V), torch.float32, device)
         BV = choose_block_v(N, Hv, V, profile)
         keeps = checkpoints is not None
-        fused = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, h0 is not None, output_h, False, keeps)
-        states = h if output_h else checkpoints if keeps else placeholder
+        fused = walk_kernel(BV)(
+            Hqk, Hv, K, V, BV, dtype, profile, h0 is not None, store_h, False, keeps, KEEP_H=keep_states
+        )  # fmt: skip
+        states = h if store_h else checkpoints if keeps else placeholder
         executable(fused)(
             q, k, v, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
             placeholder if h0 is None else h0, o, final_state, states, scale,
@@ -284,11 +294,13 @@ def _forward_kernels(
         g_cum[None],
         A[None],
         o[None],
-        h,
+        h if output_h else None,
         final_state if output_final_state else None,
         checkpoints,
         maps,
-        (P, gamma, gates) if training else None,  # the backward's kkt_solve outputs (flash_qla.ops.backward)
+        # what the backward takes instead of computing it again (flash_qla.ops.backward): kkt_solve's
+        # outputs, and the states when kept
+        (P, gamma, gates, h if keep_states else None) if training else None,
     )
 
 
@@ -304,3 +316,13 @@ def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K
         builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, False, True)))
     builds += [(compose_maps_kernel, (Hv, K, V, profile, has_s0)) for has_s0 in (False, True)]
     return builds
+
+
+def kept_states_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
+    """The forward walks of a training forward with keep_states (over sequences, with and without h0,
+    and over a split walk's pieces), beyond training's other kernels."""
+    return [
+        (walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, True, False, False, False, True))
+        for bv in BLOCK_V_CHOICES
+        for has_h0 in (False, True)
+    ]

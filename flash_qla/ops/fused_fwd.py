@@ -32,7 +32,8 @@ Outputs:
     o        [T, Hv, V]    input dtype
     ht       [N, Hv, K, V] fp32 final state
     h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H;
-                           input dtype and o not written when STATES_ONLY); with
+                           in the input dtype with KEEP_H, and with STATES_ONLY, where o is
+                           not written); with
                            CHECKPOINT the checkpoint buffer (forward.checkpoint_rows): row m
                            the state at the start of global chunk m E, E =
                            profile.checkpoint_chunks, where that chunk is not a sequence's first
@@ -88,6 +89,7 @@ def fused_fwd_kernel(
     STATES_ONLY: bool = False,
     CHECKPOINT: bool = False,
     MAPS: bool = False,
+    KEEP_H: bool = False,
 ):
     """Compile (or load from TileLang's cache) the fused forward for one static config.
 
@@ -95,6 +97,8 @@ def fused_fwd_kernel(
     backward's recompute, which stores h in the input dtype (the precision its consumers read
     it in) and the final state; without, only the final state is written (a piece's offset b
     in flash_qla.ops.context_parallel).
+    KEEP_H (with STORE_H, a training forward with keep_states): h in the input dtype, stored as
+    the recompute stores it, for the backward, which then recomputes nothing.
     CHECKPOINT (training forwards): h holds only the checkpoints, the states at the global
     chunks j = m · profile.checkpoint_chunks inside a sequence (not at its first chunk), in
     row m, fp32; the backward restarts its state recompute from them (flash_qla.ops.backward).
@@ -104,8 +108,10 @@ def fused_fwd_kernel(
     """
     assert not (CHECKPOINT and STORE_H), "h holds either every state or the checkpoints"
     assert not MAPS or (STATES_ONLY and not (HAS_H0 or STORE_H or CHECKPOINT)), "MAPS walks from I, keeps the end"
+    assert not KEEP_H or (STORE_H and not STATES_ONLY), "KEEP_H: h in the input dtype beside o"
     E = profile.checkpoint_chunks
-    h_dtype = dtype if STATES_ONLY and STORE_H else "float32"
+    STAGED_H = STORE_H and (STATES_ONLY or KEEP_H)  # h in the input dtype, stored from s_s
+    h_dtype = dtype if STAGED_H else "float32"
     ht_dtype, ht_cols = ("bfloat16", 2 * V) if MAPS else ("float32", V)
     C = profile.chunk
     GROUPS = Hv // Hqk
@@ -197,13 +203,13 @@ def fused_fwd_kernel(
                 T.copy(A[t0:t0 + C, ih, :], a_s)
                 T.copy(gamma[ih, first_chunk + c, :], gam_s)
 
-                if STORE_H and not STATES_ONLY:
+                if STORE_H and not STAGED_H:
                     T.copy(S, h[first_chunk + c, ih, :, v0:v0 + BV])
                 if CHECKPOINT:
                     if c > 0 and (first_chunk + c) % E == 0:
                         T.copy(S, h[(first_chunk + c) // E, ih, :, v0:v0 + BV])
                 T.copy(S, s_s)
-                if STATES_ONLY and STORE_H:
+                if STAGED_H:
                     T.copy(s_s, h[first_chunk + c, ih, :, v0:v0 + BV])
                 # S becomes the accumulator of the update: e^{γ_L} S, Kᵀ diag(e^{γ_L − γ}) v_new
                 # added below (before the products are issued: S was last written by a product,

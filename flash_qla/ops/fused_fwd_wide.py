@@ -38,8 +38,9 @@ kkt_solve's `gates` (computed here, they were 32 exponentials a thread per chunk
 distinct values). V is read transposed from its ring tile, which is swizzled so that a
 warp's reads hit distinct banks. The recompute (STATES_ONLY) stages each chunk's Sᵀ through
 shared memory as h's rows for 16-byte stores, each warpgroup its own 64 columns (staging.py;
-0.351 -> 0.289 ms at 16/32 8x4096, h bitwise equal, benchmark/NOTES.md v13); the fp32 h of
-STORE_H and the checkpoints are still stored element by element from the registers.
+0.351 -> 0.289 ms at 16/32 8x4096, h bitwise equal, benchmark/NOTES.md v13), and so does the
+training forward that keeps the states (KEEP_H: h in the input dtype beside o); the fp32 h of
+STORE_H alone and the checkpoints are still stored element by element from the registers.
 """
 
 import functools
@@ -66,6 +67,7 @@ def fused_fwd_wide_kernel(
     STATES_ONLY: bool = False,
     CHECKPOINT: bool = False,
     MAPS: bool = False,
+    KEEP_H: bool = False,
 ):
     """Compile (or load from TileLang's cache) the wide-tile fused forward for one static config.
 
@@ -73,9 +75,11 @@ def fused_fwd_wide_kernel(
     """
     assert not (CHECKPOINT and STORE_H), "h holds either every state or the checkpoints"
     assert not MAPS or (STATES_ONLY and not (HAS_H0 or STORE_H or CHECKPOINT)), "MAPS walks from I, keeps the end"
+    assert not KEEP_H or (STORE_H and not STATES_ONLY), "KEEP_H: h in the input dtype beside o"
     E = profile.checkpoint_chunks
     assert BV % ROWS_PER_WARPGROUP == 0, "one consumer warpgroup per 64 rows of Sᵀ"
-    h_dtype = dtype if STATES_ONLY and STORE_H else "float32"
+    STAGED_H = STORE_H and (STATES_ONLY or KEEP_H)  # h in the input dtype, staged for row stores
+    h_dtype = dtype if STAGED_H else "float32"
     # MAPS ends in D = M − I as compose_maps' operands: bf16 halves hi | lo side by side
     ht_dtype, ht_cols = ("bfloat16", 2 * V) if MAPS else ("float32", V)
     C = profile.chunk
@@ -126,7 +130,7 @@ def fused_fwd_wide_kernel(
             p_s = T.alloc_shared([C, C], dtype)
             gates_s = T.alloc_shared([2, C], accum)  # e^γ, e^{γ_L − γ}
             o_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # o staged for its store, rows padded
-            if STATES_ONLY and STORE_H:
+            if STAGED_H:
                 h_s = T.alloc_shared([K, BV + STAGE_PAD], dtype)  # h staged for its store, rows padded
             # V is read a column per thread group: swizzled 128-byte rows, else the rows a warp
             # reads at once (2 apart) all start in one bank
@@ -169,7 +173,7 @@ def fused_fwd_wide_kernel(
                 T.copy(A[t0:t0 + C, ih, :], a_s)
                 T.copy(gates[ih, first_chunk + c, :, :], gates_s)
 
-                if STORE_H and not STATES_ONLY:
+                if STORE_H and not STAGED_H:
                     for j, d in T.Parallel(BV, K):
                         h[first_chunk + c, ih, d, v0 + j] = St[j, d]
                 if CHECKPOINT:
@@ -177,7 +181,7 @@ def fused_fwd_wide_kernel(
                         for j, d in T.Parallel(BV, K):
                             h[(first_chunk + c) // E, ih, d, v0 + j] = St[j, d]
                 T.copy(St, Sb)
-                if STATES_ONLY and STORE_H:
+                if STAGED_H:
                     store_h(Sb, h_s, h, first_chunk + c, ih, v0, tx)
                 # Sᵀ becomes the accumulator of the update (before the issue: see fused_fwd)
                 decay = gates_s[0, valid - 1]

@@ -138,8 +138,9 @@ def chunk_gated_delta_rule(
         the forward and the backward for time. Measured on the H200 (benchmark/NOTES.md v22):
         a training step at 16/32 over 8 x 4096 tokens 2.568 -> 2.449 ms, 1 x 32768 3.342 ->
         3.167, 2/8 8 x 4096 0.715 -> 0.653; what the forward keeps for the backward at 16/32
-        and 32768 tokens 268 -> 788 MiB, the step's peak unchanged (the backward's recompute
-        allocates the states anyway). The gradients are bitwise the same either way. Ignored
+        over 8 x 4096 tokens 268 -> 788 MiB, the step's peak unchanged (the backward's
+        recompute allocates the states anyway). The gradients are the recompute's: the forward walks the
+        states with the recompute's arithmetic (bitwise equal in every case tested). Ignored
         without a gradient to compute and on the PyTorch path.
 
     Returns

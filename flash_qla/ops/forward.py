@@ -247,7 +247,9 @@ def _forward_kernels(
     store_h = output_h or keep_states
     h0 = initial_state.contiguous() if initial_state is not None else None
     split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
-    checkpoints = None  # kept for a backward where they pay, and always when the walk split: free then
+    # kept for a backward that recomputes the states, where they pay, and always when the walk split
+    # (free then); none when every state is kept
+    checkpoints = None
     maps = None
     if training and auto_cp and not keep_states and (split or keeps_checkpoints(seqlens, Hv, V, profile)):
         checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), torch.float32, device)

@@ -142,6 +142,24 @@ def test_kept_states_are_stored_as_the_recompute_stores_them(factory, BV):
     assert writes_o.search(keep) and writes_o.search(output_h) and not writes_o.search(recompute)
 
 
+@pytest.mark.parametrize(
+    "factory,args,state",
+    [
+        (fused_fwd_wide_kernel, (True, True, True), "h"),  # the backward's recompute
+        (fused_fwd_wide_kernel, (False, True, False, False, False, True), "h"),  # keep_states
+        (fused_bwd_wide_kernel, (False, True), "dh"),
+    ],
+)
+def test_wide_walks_store_states_by_tma(factory, args, state):
+    """The wide walks' staged states go out by TMA bulk stores (staging.state_store), and each
+    block waits for its last one before it ends."""
+    source = factory(16, 32, 128, 128, 128, "bfloat16", SM90, *args).get_kernel_source()
+    assert f"tma_store({state}_desc" in source
+    assert not re.search(rf"\b{state}\s*\[", source)  # no element or vector store besides
+    loop_end = source.rindex("tma_store(")
+    assert "tma_store_wait" in source[loop_end:]
+
+
 @pytest.mark.parametrize("states_only", [False, True])
 def test_fused_fwd_wide_chains_share_no_barrier(states_only):
     """The wide walk's consumer warpgroups never wait for each other: its only named barriers (the

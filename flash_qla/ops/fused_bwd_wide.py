@@ -35,10 +35,10 @@ of indices in local memory, which missed L1 and were reloaded every chunk (ncu: 
 L1TEX loads, these among them, were 47 % of the walk's stalls). Moved, none are left: the
 low-level backward at 16/32 8x4096 2.315 -> 2.210 ms (the walk ~0.54 -> ~0.43), outputs bitwise
 equal (benchmark/NOTES.md v17). dv is stored (transposed through shared memory for whole-row
-stores, each warpgroup its own 64 columns between barriers of its own 128 threads). dS'ᵀ goes to dh the same way at the chunk's
-start (staging.state_store; from the registers, element by element, a warp's 2-byte stores
-touched 8 rows of dh 256 bytes apart: 16/32 8x4096 0.609 -> 0.541 ms, 16/64 1.185 -> 1.003,
-outputs bitwise equal; benchmark/NOTES.md v14). dO is read transposed from its ring tile,
+stores, each warpgroup its own 64 columns between barriers of its own 128 threads). dS'ᵀ is staged
+the same way at the chunk's start and goes to dh by TMA (staging.state_store; from the registers,
+element by element, a warp's 2-byte stores touched 8 rows of dh 256 bytes apart: 16/32 8x4096
+0.609 -> 0.541 ms, 16/64 1.185 -> 1.003, outputs bitwise equal; benchmark/NOTES.md v14). dO is read transposed from its ring tile,
 which is swizzled so that a warp's reads hit distinct banks.
 """
 
@@ -49,7 +49,14 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.staging import ROWS_PER_WARPGROUP, STAGE_PAD, row_store, state_store
+from flash_qla.ops.staging import (
+    ROWS_PER_WARPGROUP,
+    STAGE_PAD,
+    alloc_state_stage,
+    row_store,
+    state_store,
+    state_stores_done,
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,7 +128,7 @@ def fused_bwd_wide_kernel(
             gates_s = T.alloc_shared([2, C], accum)  # e^γ, e^{γ_L − γ}
             if not ENDS_ONLY:
                 dv_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # dv staged for its store, rows padded
-                dh_s = T.alloc_shared([K, BV + STAGE_PAD], dtype)  # dS' staged for its store, rows padded
+                dh_s = alloc_state_stage(BV, K, dtype)  # dS' staged for its TMA store
             # dO is read a column per thread group: swizzled 128-byte rows, else the rows a warp
             # reads at once (2 apart) all start in one bank
             T.annotate_layout({do_s: make_full_bank_swizzled_layout(do_s)})
@@ -193,6 +200,8 @@ def fused_bwd_wide_kernel(
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(dSt, num_regs=STATE_REGS)
 
+            if not ENDS_ONLY:
+                state_stores_done()
             if STORE_DH0:
                 for j, d in T.Parallel(BV, K):
                     dh0[n, ih, d, v0 + j] = dSt[j, d]

@@ -36,9 +36,10 @@ The gate factors scale columns here (tokens are the N side): each thread keeps e
 e^{γ_L − γ} of the 16 columns its accumulator fragments hold, read from the ring's copy of
 kkt_solve's `gates` (computed here, they were 32 exponentials a thread per chunk, 64x the
 distinct values). V is read transposed from its ring tile, which is swizzled so that a
-warp's reads hit distinct banks. The recompute (STATES_ONLY) stages each chunk's Sᵀ through
-shared memory as h's rows for 16-byte stores, each warpgroup its own 64 columns (staging.py;
-0.351 -> 0.289 ms at 16/32 8x4096, h bitwise equal, benchmark/NOTES.md v13), and so does the
+warp's reads hit distinct banks. The recompute (STATES_ONLY) stages each chunk's Sᵀ in shared
+memory as h's rows and stores it by TMA, each warpgroup its own 64 columns (staging.state_store;
+against element-wise stores from the registers 0.351 -> 0.289 ms at 16/32 8x4096, h bitwise
+equal, benchmark/NOTES.md v13), and so does the
 training forward that keeps the states (KEEP_H: h in the input dtype beside o); the fp32 h of
 STORE_H alone and the checkpoints are still stored element by element from the registers.
 """
@@ -50,7 +51,14 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.staging import ROWS_PER_WARPGROUP, STAGE_PAD, row_store, state_store
+from flash_qla.ops.staging import (
+    ROWS_PER_WARPGROUP,
+    STAGE_PAD,
+    alloc_state_stage,
+    row_store,
+    state_store,
+    state_stores_done,
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +139,7 @@ def fused_fwd_wide_kernel(
             gates_s = T.alloc_shared([2, C], accum)  # e^γ, e^{γ_L − γ}
             o_s = T.alloc_shared([C, BV + STAGE_PAD], dtype)  # o staged for its store, rows padded
             if STAGED_H:
-                h_s = T.alloc_shared([K, BV + STAGE_PAD], dtype)  # h staged for its store, rows padded
+                h_s = alloc_state_stage(BV, K, dtype)  # h staged for its TMA store
             # V is read a column per thread group: swizzled 128-byte rows, else the rows a warp
             # reads at once (2 apart) all start in one bank
             T.annotate_layout({v_s: make_full_bank_swizzled_layout(v_s)})
@@ -230,6 +238,8 @@ def fused_fwd_wide_kernel(
                     for j, i in T.Parallel(BV, C):
                         Ot_prev[j, i] = Ot[j, i] * scale
 
+            if STAGED_H:
+                state_stores_done()
             if not STATES_ONLY and seqlen > 0:
                 last = (seqlen - 1) // C
                 store_o(Ot_prev, o_s, o, bos + last * C, seqlen - last * C, ih, v0, tx)

@@ -1,16 +1,24 @@
-"""Row stores of the transposed walks' register tiles: [BV, C] outputs (o; dv_new and dv) and
+"""Stores of the transposed walks' register tiles: [BV, C] outputs (o; dv_new and dv) and
 the [BV, K] state (h; dh).
 
 The transposed walks (fused_fwd_wide, fused_bwd_wide) hold their [C, BV] outputs as [BV, C]
-accumulators, one consumer warpgroup per 64 of the BV rows. `row_store` writes such a tile to
-x[t0 : t0 + valid, ih, v0 : v0 + BV] through a shared-memory staging tile [C, BV + STAGE_PAD],
-so that global stores are whole 16-byte row pieces; `state_store` writes a state Sᵀ (the
-recompute's S, the backward walk's dS') to h[c, ih, :, v0 : v0 + BV] the same way. Each warpgroup stages and stores only its own
-64 columns, between named barriers of its own 128 threads: the walks' chains never wait for
-each other.
+accumulators, one consumer warpgroup per 64 of the BV rows. Each warpgroup stages and stores
+only its own 64 columns, between named barriers of its own 128 threads: the walks' chains
+never wait for each other.
+- `row_store` writes such a tile to x[t0 : t0 + valid, ih, v0 : v0 + BV] through a staging
+  tile [C, BV + STAGE_PAD], so that global stores are whole 16-byte row pieces (a chunk's rows
+  past `valid` belong to the next sequence: no TMA box can stop there).
+- `state_store` writes a state Sᵀ (the recompute's S, the training forward's kept S, the
+  backward walk's dS') to h[c, ih, :, v0 : v0 + BV] by TMA: each warpgroup stages its [K, 64]
+  block in a swizzled tile (`alloc_state_stage`) and one of its threads issues the bulk store,
+  which runs while the chain goes on; the next staging first waits until that store has read
+  the tile (`state_stores_done` at the walk's end). Against 16-byte stores by every thread from a
+  padded tile: training step 2/8 8x4096 0.720 -> 0.703 ms (keep_states 0.650 -> 0.642), 16/32,
+  4/16 and 1x32768 within 0.5 %, gradients bitwise equal (benchmark/NOTES.md v23).
 """
 
 import tilelang.language as T
+from tilelang.layout import make_full_bank_swizzled_layout
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 # elements of padding per row of a staging tile: a warp's transposed 2-byte stores touch 4 rows
@@ -60,25 +68,41 @@ def row_store(BV: int, C: int):
     return store
 
 
-def state_store(BV: int, K: int):
-    """The macro state_store(St, x_s, h, c, ih, v0, tx): h[c, ih, :, v0 : v0 + BV] = Stᵀ.
+def alloc_state_stage(BV: int, K: int, dtype: str):
+    """The staging tile of state_store: [BV // 64, K, 64], one [K, 64] block per warpgroup, its
+    128-byte rows swizzled (TMA's 128-byte swizzle; a warp's transposed 2-byte stores touch 4 rows
+    at once, which the swizzle puts in distinct banks). Allocate inside the kernel."""
+    x_s = T.alloc_shared([BV // ROWS_PER_WARPGROUP, K, ROWS_PER_WARPGROUP], dtype)
+    T.annotate_layout({x_s: make_full_bank_swizzled_layout(x_s)})
+    return x_s
 
-    St [BV, K] fragment, x_s [K, BV + STAGE_PAD] shared, tx the consumer thread index. Stored
-    from the registers element by element instead, a warp's 2-byte stores touch 8 rows of h 256
-    bytes apart: the state recompute at 16/32 8x4096 took 0.351 ms against 0.289 staged, the
-    backward walk 0.609 against 0.541 (benchmark/NOTES.md v13, v14).
+
+def state_store(BV: int, K: int):
+    """The macro state_store(St, x_s, h, c, ih, v0, tx): h[c, ih, :, v0 : v0 + BV] = Stᵀ, by TMA.
+
+    St [BV, K] fragment, x_s from alloc_state_stage, tx the consumer thread index. Asynchronous:
+    call state_stores_done() before the kernel ends. Stored from the registers element by
+    element instead, a warp's 2-byte stores touch 8 rows of h 256 bytes apart: the state
+    recompute at 16/32 8x4096 took 0.351 ms against 0.289 staged, the backward walk 0.609
+    against 0.541 (benchmark/NOTES.md v13, v14).
     """
-    stage = stage_transposed(BV, K)
+    W = ROWS_PER_WARPGROUP
 
     @T.macro
     def store(St, x_s, h, c, ih, v0, tx):
         wg = tx // 128
-        lane = tx % 128
-        stage(St, x_s, tx)
-        for r in T.unroll(K // 16):  # 16 rows x 8 vectors of 8 elements per pass
-            row = r * 16 + lane // 8
-            col = wg * ROWS_PER_WARPGROUP + lane % 8 * 8
-            for e in T.vectorized(8):
-                h[c, ih, row, v0 + col + e] = x_s[row, col + e]
+        T.tma_store_wait(0)  # in the thread that issued the last store: it has read x_s
+        T.sync_threads(STAGE_BARRIER + wg, 128)
+        for j, d in T.Parallel(BV, K):
+            x_s[j // W, d, j % W] = St[j, d]
+        T.fence_proxy_async()  # the staged tile, visible to the TMA unit
+        T.sync_threads(STAGE_BARRIER + wg, 128)
+        T.tma_copy(x_s[wg, :, :], h[c, ih, :, v0 + wg * W:v0 + wg * W + W], leader_scope_threads=128)
 
     return store
+
+
+@T.macro
+def state_stores_done():
+    """Wait until the last state_store has read its staging tile (before the block's shared memory goes)."""
+    T.tma_store_wait(0)

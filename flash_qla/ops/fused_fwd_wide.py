@@ -86,7 +86,7 @@ def fused_fwd_wide_kernel(
     assert not KEEP_H or (STORE_H and not STATES_ONLY), "KEEP_H: h in the input dtype beside o"
     E = profile.checkpoint_chunks
     assert BV % ROWS_PER_WARPGROUP == 0, "one consumer warpgroup per 64 rows of Sᵀ"
-    STAGED_H = STORE_H and (STATES_ONLY or KEEP_H)  # h in the input dtype, staged for row stores
+    STAGED_H = STORE_H and (STATES_ONLY or KEEP_H)  # h in the input dtype, staged for its TMA store
     h_dtype = dtype if STAGED_H else "float32"
     # MAPS ends in D = M − I as compose_maps' operands: bf16 halves hi | lo side by side
     ht_dtype, ht_cols = ("bfloat16", 2 * V) if MAPS else ("float32", V)

@@ -3,7 +3,7 @@
 Checks the generated CUDA source for the instructions the schedule is built on: wgmma for
 the tensor-core products (SM90; with register A operands in the wide walks), TMA loads for
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
-γ is summed) and for chunk_grads' tiles (they arrive under the first products), and
+γ is summed) and mma.sync in tf32 for its inverse's merges and for chunk_grads' tiles (they arrive under the first products), and
 chunk_grads' batched reductions; that each block's shared memory fits the SM; and that the
 kernels with large register tiles keep nothing in local memory (ptxas, through nvcc).
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
@@ -28,11 +28,14 @@ from flash_qla.ops.kkt_solve import kkt_solve_kernel
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile kernels")
 
+TF32_MMA = "mma_sync<tl::DataType::kTensorFloat32"
+
 # (factory, static args, instructions its SM90 source must use)
 KERNELS = [
-    ("kkt_solve", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs")),
+    # the inverse's merges on the tensor cores: mma.sync in tf32
+    ("kkt_solve", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs", TF32_MMA)),
     # β read in q's dtype (no cast launch)
-    ("kkt_solve_beta_bf16", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async_gs")),
+    ("kkt_solve_beta_bf16", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async_gs", TF32_MMA)),
     ("fused_fwd_bv32_h0_h", fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
     ("fused_fwd_bv32_fp16", fused_fwd_kernel, (4, 8, 128, 128, 32, "float16", SM90, False, False), ("wgmma", "tma_load")),
     ("kkt_solve_backward_mode", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "float32", True), ("wgmma", "cp_async_gs")),

@@ -51,17 +51,24 @@ The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
      one column of the block per lane (lanes l and l + 16 share one): a column needs no
      other lane's values, only M's rows, which the warp reads as broadcasts; the column
      stays in registers until the block is done;
-  2. two doubling merges (16 -> 32 -> 64), X₂₁ = −X₂₂ (M₂₁ X₁₁), as CUDA-core products
-     with register tiles (4 or 8 outputs per thread) over operands in padded shared
-     memory (row stride C + PAD floats). Each warp owns 8 columns of M₂₁ X₁₁, then 8 rows
-     of X₂₁, and skips the k-steps where the triangular X₁₁ or X₂₂ is zero: 5 / 8 of the
-     full products' multiply-adds in the 32 -> 64 merge, the same count in every warp.
+  2. two doubling merges (16 -> 32 -> 64), T₁ = M₂₁ X₁₁, then X₂₁ = −X₂₂ T₁, on the
+     tensor cores: mma.sync m16n8k8 in tf32, each warp one or two 16 x 8 output tiles of
+     each product, skipping the k-blocks where the triangular X₁₁ or X₂₂ is zero. Each
+     operand is split into its tf32 part and the remainder, and three products a k-block
+     (3xTF32) keep every product to ~2⁻²¹ of its terms, where one tf32 product keeps ~2⁻¹¹
+     (`tile_product`). They were CUDA-core products with register tiles, whose operands
+     came as broadcast shared-memory loads: 41 % of the stage's shared wavefronts
+     (benchmark/NOTES.md v20 step 4b). On the tensor cores a warp loads each operand
+     element of a k-block once: low-level forward 0.570 -> 0.540 ms at 16/32 8x4096, 0.171
+     -> 0.165 at 2/8; A as far from a float64 reference as before, to three digits
+     (v24).
 M and X share one fp32 buffer: each block of M is read before X overwrites it.
-The stage is bound by the L1's load/store pipe (ncu: 85 % busy, two thirds of it shared-memory
-loads, the merges' operands the most; benchmark/NOTES.md v20 steps 4-4b), so its shared-memory
-traffic is laid out for few wavefronts: the masks are applied in registers, so that P and M are
-stored as unconditional copies, two columns a thread at once; rows of M and X are 72 floats
-apart (`PAD`), where those 8-byte stores and the merges' row loads hit distinct banks; each
+With the merges on the CUDA cores the stage was bound by the L1's load/store pipe (ncu: 85 %
+busy, two thirds of it shared-memory loads; benchmark/NOTES.md v20 steps 4-4b), so its
+shared-memory traffic is laid out for few wavefronts: the masks are applied in registers, so
+that P and M are stored as unconditional copies, two columns a thread at once; rows of M and X
+are 72 floats apart (`PAD`), where those 8-byte stores and the merges' 8-byte operand loads hit
+distinct banks; each
 thread reads its four columns of β once for A's read-out. Against the masked scalar stores, rows
 68 floats apart and β read for every row: kkt_solve 0.295 -> 0.287 ms at 16/32 8x4096, 0.078
 -> 0.076 at 2/8, outputs bitwise equal (v20 step 6).
@@ -103,52 +110,77 @@ def kkt_solve_kernel(
     n_slots = T.dynamic("n_slots")
 
     @T.macro
-    def merge(x_s, t_s, acc, tx, s: int):
+    def tile_product(a_s, a_row, a_col, b_s, b_row, b_col, k_first, k_last, lane, pair, frag, hi, lo, c, c0):
+        """One warp's 16 x 8 tile of A B over the k-blocks [k_first, k_last), into c[c0 : c0 + 4].
+
+        Block kb multiplies A's 16 x 8 tile at (a_row, a_col + 8 kb) by B's 8 x 8 tile at
+        (b_row + 8 kb, b_col).
+
+        mma.sync m16n8k8 in tf32, three products a k-block (3xTF32): each operand x is
+        split into hi = x with its 13 low mantissa bits cleared (what the tensor core reads of
+        it) and lo = x − hi (exact), and lo·hi + hi·lo + hi·hi is summed in fp32: every product
+        to ~2⁻²¹ of |a||b| where one tf32 product keeps ~2⁻¹¹. Lane (g, t) feeds the fragment's
+        k = t and k = t + 4 from the k-block's columns 2t and 2t + 1 (a sum over k does not
+        depend on its order, as long as A's and B's agree), so its A operand is two 8-byte loads
+        (rows g and g + 8), conflict-free at rows 72 floats apart, where columns t and t + 4
+        take four 4-byte loads with 2-way conflicts.
+        """
+        g = lane // 4
+        t = lane % 4
+        for e in T.unroll(4):
+            c[c0 + e] = 0.0
+        for kb in T.serial(k_first, k_last):
+            k0 = 8 * kb + 2 * t
+            for r in T.unroll(2):  # A[g + 8 r, k0 : k0 + 2] -> a_r, a_{r+2}
+                for j in T.vectorized(2):
+                    pair[j] = a_s[a_row + g + 8 * r, a_col + k0 + j]
+                frag[r] = pair[0]
+                frag[r + 2] = pair[1]
+            frag[4] = b_s[b_row + k0, b_col + g]
+            frag[5] = b_s[b_row + k0 + 1, b_col + g]
+            for e in T.unroll(6):
+                hi[e] = T.reinterpret(T.bitwise_and(T.reinterpret(frag[e], "uint32"), T.uint32(0xFFFFE000)), accum)
+                lo[e] = frag[e] - hi[e]
+            # the small terms first; A is a buffer's first 4 values, B its last 2
+            T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32", lo.data, 0, hi.data, 4, c.data, c0, False)
+            T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32", hi.data, 0, lo.data, 4, c.data, c0, False)
+            T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32", hi.data, 0, hi.data, 4, c.data, c0, False)
+
+    @T.macro
+    def merge(x_s, t_s, pair, frag, hi, lo, c, tx, s: int):
         """Join pairs of inverted s x s diagonal blocks of X into 2s x 2s inverses (M₂₁ -> X₂₁ in place).
 
-        s // 8 warps per pair. T₁ = M₂₁ X₁₁: warp w forms columns 8w .. 8w + 7 and skips the
-        k < 8w terms (X₁₁ is lower triangular); X₂₁ = −X₂₂ T₁: warp w forms rows 8w .. 8w + 7
-        and skips the k >= 8w + 8 terms (X₂₂ too). Every warp runs s // 8 + 1 blocks of 8 k-steps
-        in all, where full products would run 2 s // 8.
+        T₁ = M₂₁ X₁₁ into t_s, then X₂₁ = −X₂₂ T₁ over M₂₁, as 16 x 8 tiles on the tensor
+        cores (`tile_product`), each warp s // 16 tiles of each product; the k-blocks where the lower
+        triangular X₁₁ (columns of tile n: k >= 8 n) or X₂₂ (rows of tile m: k < 16 m + 16) is
+        zero are skipped. s = 16: warp w takes pair w // 2, columns 8 (w % 2). s = 32 (one pair):
+        warp w takes tiles (0, w) and (1, 3 − w) of T₁ (5 k-blocks each warp) and (0, w), (1, w) of
+        X₂₁ (6 each).
         """
-        WARPS = s // 8
-        per_problem = 32 * WARPS
-        assert per_problem * (C // (2 * s)) == THREADS, "every thread owns outputs of one pair"
-        rows = s // 16  # output rows per thread (x 4 columns), in both products
-        b = tx // per_problem
-        w = tx % per_problem // 32
+        warp = tx // 32
         lane = tx % 32
+        g = lane // 4
+        t = lane % 4
+        NB = s // 8  # k-blocks of a full product, and warps a pair
+        b = warp // NB
         base = 2 * s * b
-        # T₁ = M₂₁ X₁₁: lanes are 16 row groups x 2 groups of 4 columns; rows ra (and ra + 16 when
-        # s = 32), so that the 4 rows a quarter-warp loads at once are neighbours (72 floats apart:
-        # distinct banks)
-        ra = lane // 2
-        ca = 8 * w + lane % 2 * 4
-        for e in T.unroll(rows * 4):
-            acc[e] = 0.0
-        for kb in T.serial(w, WARPS):
-            for k8 in T.unroll(8):
-                for rr in T.unroll(rows):
-                    for cc in T.unroll(4):
-                        acc[rr * 4 + cc] += (
-                            x_s[base + s + ra + 16 * rr, base + kb * 8 + k8] * x_s[base + kb * 8 + k8, base + ca + cc]
-                        )
-        for rr in T.unroll(rows):
-            for cc in T.unroll(4):
-                t_s[b * s + ra + 16 * rr, ca + cc] = acc[rr * 4 + cc]
-        # X₂₁ = −X₂₂ T₁: lanes are 8 // rows row groups x s // 4 groups of 4 columns
-        rb = 8 * w + lane // (s // 4) * rows
-        cb = lane % (s // 4) * 4
-        for e in T.unroll(rows * 4):
-            acc[e] = 0.0
-        for kb in T.serial(w + 1):
-            for k8 in T.unroll(8):
-                for rr in T.unroll(rows):
-                    for cc in T.unroll(4):
-                        acc[rr * 4 + cc] += x_s[base + s + rb + rr, base + s + kb * 8 + k8] * t_s[b * s + kb * 8 + k8, cb + cc]
-        for rr in T.unroll(rows):
-            for cc in T.unroll(4):
-                x_s[base + s + rb + rr, base + cb + cc] = -acc[rr * 4 + cc]
+        w = warp % NB
+        for m in T.unroll(s // 16):
+            n = w + m * (NB - 1 - 2 * w)  # column tiles w, then NB - 1 - w
+            tile_product(x_s, base + s + 16 * m, base, x_s, base, base + 8 * n, n, NB, lane, pair, frag, hi, lo, c, 0)
+            for r in T.unroll(2):
+                for j in T.unroll(2):
+                    t_s[s * b + 16 * m + g + 8 * r, 8 * n + 2 * t + j] = c[2 * r + j]
+        # both tiles of X₂₁ before either is stored over M₂₁ (one barrier, not one a tile)
+        for m in T.unroll(s // 16):
+            k_last = T.min(2 * m + 2, NB)
+            tile_product(
+                x_s, base + s + 16 * m, base + s, t_s, s * b, 8 * w, 0, k_last, lane, pair, frag, hi, lo, c, 4 * m
+            )
+        for m in T.unroll(s // 16):
+            for r in T.unroll(2):
+                for j in T.unroll(2):
+                    x_s[base + s + 16 * m + g + 8 * r, base + 8 * w + 2 * t + j] = -c[4 * m + 2 * r + j]
 
     @T.prim_func
     def kkt_solve(
@@ -180,7 +212,11 @@ def kkt_solve_kernel(
             KK = T.alloc_fragment([C, C], accum)
             QK = T.alloc_fragment([C, C], accum)
             xc = T.alloc_local([DIAG], accum)  # this lane's column of its diagonal block of X
-            acc = T.alloc_local([8], accum)
+            pair = T.alloc_local([2], accum)
+            frag = T.alloc_local([6], accum)  # a k-block's A (4) and B (2) operands of a tile product
+            hi = T.alloc_local([6], accum)
+            lo = T.alloc_local([6], accum)
+            c = T.alloc_local([8], accum)  # two 16 x 8 tiles' accumulators
             bcol = T.alloc_local([4], accum)  # β of this thread's four columns of A
             t0 = T.alloc_var("int32")
             valid = T.alloc_var("int32")
@@ -250,8 +286,8 @@ def kkt_solve_kernel(
                         x_s[base + i, base + col] = xc[i]
 
                     # 2. doubling merges: blocks of 16, then of 32
-                    merge(x_s, t_s, acc, tx, DIAG)
-                    merge(x_s, t_s, acc, tx, 2 * DIAG)
+                    merge(x_s, t_s, pair, frag, hi, lo, c, tx, DIAG)
+                    merge(x_s, t_s, pair, frag, hi, lo, c, tx, 2 * DIAG)
 
                     # A = X diag(β): thread t reads and writes columns 4 (t % 16) .. + 3 of rows
                     # t // 16, t // 16 + 8, ..., with their four β read once

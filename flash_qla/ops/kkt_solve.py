@@ -47,21 +47,23 @@ memory (one pass doing both waited for each element's γ loads behind the previo
 stores, which the compiler cannot reorder: the split took kkt_solve 0.349 -> 0.311 ms at
 16/32 8x4096).
 The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
-  1. the four 16 x 16 diagonal blocks by forward substitution, one warp per block and
-     one column of the block per lane (lanes l and l + 16 share one): a column needs no
-     other lane's values, only M's rows, which the warp reads as broadcasts; the column
-     stays in registers until the block is done;
-  2. two doubling merges (16 -> 32 -> 64), T₁ = M₂₁ X₁₁, then X₂₁ = −X₂₂ T₁, on the
+  1. the eight 8 x 8 diagonal blocks by forward substitution, half a warp per block and
+     one column of the block per lane (lanes l and l + 8 share one): a column needs no
+     other lane's values, only M's rows, which the half-warp reads as broadcasts; the
+     column stays in registers until the block is done;
+  2. three doubling merges (8 -> 16 -> 32 -> 64), T₁ = M₂₁ X₁₁, then X₂₁ = −X₂₂ T₁, on the
      tensor cores: mma.sync m16n8k8 in tf32, each warp one or two 16 x 8 output tiles of
-     each product, skipping the k-blocks where the triangular X₁₁ or X₂₂ is zero. Each
-     operand is split into its tf32 part and the remainder, and three products a k-block
-     (3xTF32) keep every product to ~2⁻²¹ of its terms, where one tf32 product keeps ~2⁻¹¹
-     (`tile_product`). They were CUDA-core products with register tiles, whose operands
+     each product (8 x 8 in the first merge: the mma's other rows are zeros), skipping the
+     k-blocks where the triangular X₁₁ or X₂₂ is zero. Each operand is split into its tf32
+     part and the remainder, and three products a k-block (3xTF32) keep every product to
+     ~2⁻²¹ of its terms, where one tf32 product keeps ~2⁻¹¹ (`tile_product`). They were CUDA-core products with register tiles, whose operands
      came as broadcast shared-memory loads: 41 % of the stage's shared wavefronts
      (benchmark/NOTES.md v20 step 4b). On the tensor cores a warp loads each operand
      element of a k-block once: low-level forward 0.570 -> 0.540 ms at 16/32 8x4096, 0.171
-     -> 0.165 at 2/8; A as far from a float64 reference as before, to three digits
-     (v24).
+     -> 0.165 at 2/8, merging from blocks of 16; from blocks of 8, whose substitution's
+     dependent chain is 28 multiply-adds a column where 16 rows took 120, 0.543 -> 0.532
+     and 0.165 -> 0.162 (another machine start); A as far from a float64 reference as with
+     the CUDA-core merges, to three digits (v24).
 M and X share one fp32 buffer: each block of M is read before X overwrites it.
 With the merges on the CUDA cores the stage was bound by the L1's load/store pipe (ncu: 85 %
 busy, two thirds of it shared-memory loads; benchmark/NOTES.md v20 steps 4-4b), so its
@@ -82,7 +84,7 @@ import tilelang.language as T
 from flash_qla.arch import ArchProfile
 
 LOG2E = 1.4426950408889634
-DIAG = 16  # diagonal blocks inverted by forward substitution
+DIAG = 8  # diagonal blocks inverted by forward substitution
 PAD = 8  # floats of padding per row of the fp32 shared matrices (banks: the module docstring)
 # bf16/fp16 elements of padding per row of P's staging tile: rows 144 bytes apart, so the 8
 # rows that a warp's accumulator stores touch at once start in 8 different banks (unpadded,
@@ -104,17 +106,17 @@ def kkt_solve_kernel(
     C = profile.chunk
     THREADS = profile.threads
     GROUPS = Hv // Hqk
-    assert THREADS == 4 * 32 and C == 4 * DIAG, "one warp per diagonal block"
+    assert THREADS == 4 * 32 and C == 8 * DIAG, "half a warp per diagonal block"
     accum = "float32"
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
 
     @T.macro
-    def tile_product(a_s, a_row, a_col, b_s, b_row, b_col, k_first, k_last, lane, pair, frag, hi, lo, c, c0):
+    def tile_product(a_s, a_row, a_col, b_s, b_row, b_col, k_first, k_last, lane, pair, frag, hi, lo, c, c0, rows: int):
         """One warp's 16 x 8 tile of A B over the k-blocks [k_first, k_last), into c[c0 : c0 + 4].
 
-        Block kb multiplies A's 16 x 8 tile at (a_row, a_col + 8 kb) by B's 8 x 8 tile at
-        (b_row + 8 kb, b_col).
+        Block kb multiplies A's `rows` x 8 tile at (a_row, a_col + 8 kb) by B's 8 x 8 tile at
+        (b_row + 8 kb, b_col); rows = 8 leaves the mma's rows 8-15 zero (c[c0 + 2 :] unused).
 
         mma.sync m16n8k8 in tf32, three products a k-block (3xTF32): each operand x is
         split into hi = x with its 13 low mantissa bits cleared (what the tensor core reads of
@@ -132,10 +134,14 @@ def kkt_solve_kernel(
         for kb in T.serial(k_first, k_last):
             k0 = 8 * kb + 2 * t
             for r in T.unroll(2):  # A[g + 8 r, k0 : k0 + 2] -> a_r, a_{r+2}
-                for j in T.vectorized(2):
-                    pair[j] = a_s[a_row + g + 8 * r, a_col + k0 + j]
-                frag[r] = pair[0]
-                frag[r + 2] = pair[1]
+                if r < rows // 8:
+                    for j in T.vectorized(2):
+                        pair[j] = a_s[a_row + g + 8 * r, a_col + k0 + j]
+                    frag[r] = pair[0]
+                    frag[r + 2] = pair[1]
+                else:  # an 8-row tile: the mma's rows 8-15 are zeros
+                    frag[r] = 0.0
+                    frag[r + 2] = 0.0
             frag[4] = b_s[b_row + k0, b_col + g]
             frag[5] = b_s[b_row + k0 + 1, b_col + g]
             for e in T.unroll(6):
@@ -150,35 +156,39 @@ def kkt_solve_kernel(
     def merge(x_s, t_s, pair, frag, hi, lo, c, tx, s: int):
         """Join pairs of inverted s x s diagonal blocks of X into 2s x 2s inverses (M₂₁ -> X₂₁ in place).
 
-        T₁ = M₂₁ X₁₁ into t_s, then X₂₁ = −X₂₂ T₁ over M₂₁, as 16 x 8 tiles on the tensor
-        cores (`tile_product`), each warp s // 16 tiles of each product; the k-blocks where the lower
-        triangular X₁₁ (columns of tile n: k >= 8 n) or X₂₂ (rows of tile m: k < 16 m + 16) is
-        zero are skipped. s = 16: warp w takes pair w // 2, columns 8 (w % 2). s = 32 (one pair):
-        warp w takes tiles (0, w) and (1, 3 − w) of T₁ (5 k-blocks each warp) and (0, w), (1, w) of
-        X₂₁ (6 each).
+        T₁ = M₂₁ X₁₁ into t_s, then X₂₁ = −X₂₂ T₁ over M₂₁, as tiles of 16 x 8 (8 x 8 when s = 8)
+        on the tensor cores (`tile_product`); the k-blocks where the lower triangular X₁₁ (columns
+        of tile n: k >= 8 n) or X₂₂ (rows of tile m: k < 16 m + 16) is zero are skipped. s = 8:
+        warp w takes pair w, one tile of each product. s = 16: warp w takes pair w // 2, columns
+        8 (w % 2). s = 32 (one pair): warp w takes tiles (0, w) and (1, 3 − w) of T₁ (5 k-blocks
+        each warp) and (0, w), (1, w) of X₂₁ (6 each).
         """
         warp = tx // 32
         lane = tx % 32
         g = lane // 4
         t = lane % 4
         NB = s // 8  # k-blocks of a full product, and warps a pair
+        ROWS = min(s, 16)  # rows of an output tile
+        TILES = max(s // 16, 1)  # row tiles of the block
         b = warp // NB
         base = 2 * s * b
         w = warp % NB
-        for m in T.unroll(s // 16):
+        for m in T.unroll(TILES):
             n = w + m * (NB - 1 - 2 * w)  # column tiles w, then NB - 1 - w
-            tile_product(x_s, base + s + 16 * m, base, x_s, base, base + 8 * n, n, NB, lane, pair, frag, hi, lo, c, 0)
-            for r in T.unroll(2):
+            tile_product(
+                x_s, base + s + 16 * m, base, x_s, base, base + 8 * n, n, NB, lane, pair, frag, hi, lo, c, 0, ROWS
+            )
+            for r in T.unroll(ROWS // 8):
                 for j in T.unroll(2):
                     t_s[s * b + 16 * m + g + 8 * r, 8 * n + 2 * t + j] = c[2 * r + j]
         # both tiles of X₂₁ before either is stored over M₂₁ (one barrier, not one a tile)
-        for m in T.unroll(s // 16):
+        for m in T.unroll(TILES):
             k_last = T.min(2 * m + 2, NB)
             tile_product(
-                x_s, base + s + 16 * m, base + s, t_s, s * b, 8 * w, 0, k_last, lane, pair, frag, hi, lo, c, 4 * m
+                x_s, base + s + 16 * m, base + s, t_s, s * b, 8 * w, 0, k_last, lane, pair, frag, hi, lo, c, 4 * m, ROWS
             )
-        for m in T.unroll(s // 16):
-            for r in T.unroll(2):
+        for m in T.unroll(TILES):
+            for r in T.unroll(ROWS // 8):
                 for j in T.unroll(2):
                     x_s[base + s + 16 * m + g + 8 * r, base + 8 * w + 2 * t + j] = -c[4 * m + 2 * r + j]
 
@@ -274,20 +284,21 @@ def kkt_solve_kernel(
                         P[t0 + i, ih, j] = p_s[i, j]
 
                 if not BACKWARD:  # X = (I + M)⁻¹ and A = X diag(β)
-                    # 1. diagonal blocks: warp w inverts block w, lane l solves column l % 16:
-                    #    x_i = δ_il − Σ_{j<i} M_ij x_j (the same M_ij for every lane: broadcasts)
-                    base = tx // 32 * DIAG
+                    # 1. diagonal blocks: half-warp h inverts block h, lane l solves column l % 8:
+                    #    x_i = δ_il − Σ_{j<i} M_ij x_j (the same M_ij for a half-warp's lanes: broadcasts)
+                    base = tx // 16 * DIAG
                     col = tx % DIAG
                     for i in T.unroll(DIAG):
                         xc[i] = T.if_then_else(i == col, 1.0, 0.0)
                         for j in T.unroll(i):
                             xc[i] -= x_s[base + i, base + j] * xc[j]
-                    for i in T.unroll(DIAG):  # lanes l and l + 16 store the same value
+                    for i in T.unroll(DIAG):  # lanes l and l + 8 store the same value
                         x_s[base + i, base + col] = xc[i]
 
-                    # 2. doubling merges: blocks of 16, then of 32
+                    # 2. doubling merges: blocks of 8, 16, then of 32
                     merge(x_s, t_s, pair, frag, hi, lo, c, tx, DIAG)
                     merge(x_s, t_s, pair, frag, hi, lo, c, tx, 2 * DIAG)
+                    merge(x_s, t_s, pair, frag, hi, lo, c, tx, 4 * DIAG)
 
                     # A = X diag(β): thread t reads and writes columns 4 (t % 16) .. + 3 of rows
                     # t // 16, t // 16 + 8, ..., with their four β read once

@@ -3,9 +3,10 @@
 Checks the generated CUDA source for the instructions the schedule is built on: wgmma for
 the tensor-core products (SM90; with register A operands in the wide walks), TMA loads for
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
-γ is summed) and mma.sync in tf32 for its inverse's merges and for chunk_grads' tiles (they arrive under the first products), and
-chunk_grads' batched reductions; that each block's shared memory fits the SM; and that the
-kernels with large register tiles keep nothing in local memory (ptxas, through nvcc).
+γ is summed) and for chunk_grads' tiles (they arrive under the first products), mma.sync in
+tf32 for kkt_solve's inverse's merges, and chunk_grads' batched reductions; that each block's
+shared memory fits the SM; and that the kernels with large register tiles keep nothing in local
+memory (ptxas, through nvcc).
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 """
 

@@ -167,8 +167,8 @@ def chunk_gated_delta_rule(
     seqlens = _host_seqlens(cu_seqlens, B, T)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
         o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens, auto_cp, keep_states)
-    else:  # nothing to differentiate: no autograd node, nothing saved for a backward
-        _, _, o, _, final_state, _, _, _ = _forward(*args, False, seqlens, auto_cp)
+    else:  # nothing to differentiate: no autograd node, nothing saved for a backward, A in scratch
+        _, _, o, _, final_state, _, _, _ = _forward(*args, False, seqlens, auto_cp, scratch=True)
     return _unpack(o, B, T), _state_out(final_state, state_v_first)
 
 

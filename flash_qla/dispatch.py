@@ -24,13 +24,16 @@ def _check_kernel_inputs(q, v):
 
 def _forward(
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp=False,
-    training=False, keep_states=False,
+    training=False, keep_states=False, scratch=False,
 ):  # fmt: skip
     """Core forward; g is the raw gate. seqlens: the sequence lengths (host ints, as validation read
     them from cu_seqlens: no sync here). auto_cp: the planner may walk long sequences in pieces
     and, when training (a backward will follow), keep state checkpoints for it where they pay.
     keep_states (training, GPU): keep the state at every chunk start for the backward, which then
-    does not recompute them (chunk_terms).
+    does not recompute them (chunk_terms). scratch (GPU; not with training or output_h): the call
+    returns o and final_state alone, and kkt_solve's outputs live in scratch buffers that the next
+    such call of the same shapes on the stream reuses (flash_qla.ops.buffers.scratch): g_cum and A
+    are then None.
 
     Returns
     -------
@@ -53,7 +56,7 @@ def _forward(
         _check_kernel_inputs(q, v)
         return forward_kernels(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp,
-            training, keep_states,
+            training, keep_states, scratch,
         )  # fmt: skip
     outputs = chunk_gated_delta_rule_fwd_ref(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h

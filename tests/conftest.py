@@ -10,10 +10,13 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """Every output the kernels allocate (flash_qla.ops.buffers.new) starts as NaN."""
+    """Every output the kernels allocate (flash_qla.ops.buffers.new, new_like) starts as NaN, and no call
+    reuses an earlier one's scratch buffers (flash_qla.ops.buffers.scratch): each is new and poisoned."""
     from flash_qla.ops import buffers
 
-    def new(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    def new(shape, dtype, like):
+        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
 
     monkeypatch.setattr(buffers, "new", new)
+    monkeypatch.setattr(buffers, "new_like", lambda x: new(x.shape, x.dtype, x))
+    monkeypatch.setattr(buffers, "scratch", lambda specs, like: [new(shape, dtype, like) for shape, dtype in specs])

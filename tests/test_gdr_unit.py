@@ -181,6 +181,44 @@ def test_kkt_gates_are_the_gate_exponentials():
     torch.testing.assert_close(gates[:, :chunks, 1], torch.where(inside, (gam_last - gam).exp(), zero), rtol=GATES_TOL, atol=0)
 
 
+def test_inference_calls_share_scratch_by_stream():
+    """An inference call (no gradient) keeps kkt_solve's outputs in scratch buffers that the next call
+    of the same shapes on the same stream reuses (flash_qla.ops.buffers.scratch); another stream gets
+    its own. Each call is right though the buffers hold the previous call's values, poisoned here."""
+    from flash_qla.ops import buffers
+
+    seqlens, (Hqk, Hv) = (300, 700), (4, 8)
+    cu = torch.tensor([0, 300, 1000], dtype=torch.int32, device="cuda")
+
+    def run(seed):
+        x = make_inputs(1, sum(seqlens), Hqk, Hv, 128, 128, device="cuda", seed=seed)
+        o, ht = flash_qla.chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens=cu)
+        inputs = (x[name].float() for name in ("q", "k", "v", "g", "beta"))
+        ref = chunk_gated_delta_rule_fwd_ref(*inputs, None, None, cu, True, False)
+        return o, (rel_l2(o, ref[2]), rel_l2(ht, ref[4]))
+
+    def kept():
+        return {key: [t.data_ptr() for t in tensors] for key, (_, tensors) in buffers._scratch.items()}
+
+    o1, errors1 = run(seed=1)
+    first = kept()
+    for _, tensors in buffers._scratch.values():
+        for t in tensors:
+            t.fill_(float("nan"))
+    o1_before = o1.clone()
+    _, errors2 = run(seed=2)
+    assert kept() == first
+    assert torch.equal(o1, o1_before)  # the returned o is not scratch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _, errors3 = run(seed=3)
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(kept()) == len(first) + 1
+    for errors in (errors1, errors2, errors3):
+        assert max(errors) <= FWD_TOL, errors
+
+
 def test_no_recompile_across_batch_shapes():
     """Seqlen patterns of one head layout and V-tile width hit the same compiled kernels.
 

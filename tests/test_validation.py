@@ -212,3 +212,31 @@ def test_seqlens_read_once_per_tensor(monkeypatch):
     assert seqlens_of(cu, 10) == (4, 0, 6)
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("cu_seqlens read again"))
     assert seqlens_of(cu, 10) == (4, 0, 6)
+
+
+def test_checks_run_once_per_signature(monkeypatch):
+    """check_inputs remembers the last arguments it passed by their shapes, dtypes and devices (the
+    layers of a step repeat them) and checks again whatever differs, a new cu_seqlens' values too."""
+    from flash_qla import validation
+
+    full_checks = []
+    check_full = validation._check_full
+    monkeypatch.setattr(validation, "_check_full", lambda *args: (full_checks.append(args), check_full(*args)))
+    monkeypatch.setitem(validation._passed, "signature", None)
+    call_api(valid_inputs(varlen=True))
+    call_api(valid_inputs(varlen=True))  # new tensors, the same signature
+    assert len(full_checks) == 1
+    x = valid_inputs(varlen=True)
+    x["k"] = x["k"][..., :-1]
+    with pytest.raises(ValueError, match=re.escape("k: expected shape")):
+        call_api(x)
+    call_api(valid_inputs(varlen=True))  # a failed check left the remembered signature as it was
+    assert len(full_checks) == 2
+    x = valid_inputs(varlen=True)
+    x["cu_seqlens"] = torch.tensor([0, T + 1, T])  # the signature that passed, values that do not
+    with pytest.raises(ValueError, match=re.escape("cu_seqlens: expected non-decreasing values")):
+        call_api(x)
+    x = valid_inputs(varlen=True)
+    x["scale"] = True  # equal to 1 as a number, not a float
+    with pytest.raises(TypeError, match=re.escape("scale: expected None or a float")):
+        call_api(x)

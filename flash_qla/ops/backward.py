@@ -66,7 +66,7 @@ from flash_qla.ops.forward import (
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
-from flash_qla.ops.launch import executable
+from flash_qla.ops.launch import executable, on_device
 
 
 _side_streams: dict = {}
@@ -97,7 +97,7 @@ def backward_kernels(
     them, or None; auto_cp: the backward walk splits the sequences where the forward walk would
     (splits_forward); it always splits the pieces of a forward that split (their maps given).
     """
-    with torch.cuda.device(q.device):  # launches go to q's device, not the current one
+    with on_device(q.device):  # launches go to q's device, not the current one
         return _backward_kernels(
             q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp,
             chunk_terms,
@@ -129,9 +129,9 @@ def _backward_kernels(
     if chunk_terms is not None:
         P, gamma, gates, states = chunk_terms
     else:
-        gamma = buffers.new((Hv, slots, C), f32, q.device)
-        gates = buffers.new((Hv, slots, 2, C), f32, q.device)
-        P = buffers.new((T, Hv, C), q.dtype, q.device)
+        gamma = buffers.new((Hv, slots, C), f32, q)
+        gates = buffers.new((Hv, slots, 2, C), f32, q)
+        P = buffers.new((T, Hv, C), q.dtype, q)
         g_cum = g_cum[0].to(f32).contiguous()
         kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, "float32", True)  # backward mode: β is not read
         executable(kkt)(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
@@ -146,7 +146,7 @@ def _backward_kernels(
     if states is not None:  # kept by the training forward (keep_states): nothing to recompute
         h = states
     else:
-        h = buffers.new((slots, Hv, K, V), q.dtype, q.device)
+        h = buffers.new((slots, Hv, K, V), q.dtype, q)
         if checkpoints is None:
             walks, firsts = cu_seqlens, chunk_offsets
             BV_h = choose_block_v(N, Hv, V, profile, RECOMPUTE_CHUNK_COST)
@@ -170,8 +170,8 @@ def _backward_kernels(
             )  # fmt: skip
 
     # 3. state gradients, backward in time, over the sequences or over pieces of them
-    dh = buffers.new((slots, Hv, K, V), q.dtype, q.device)
-    dv = buffers.new(v.shape, v.dtype, q.device)
+    dh = buffers.new((slots, Hv, K, V), q.dtype, q)
+    dv = buffers.new_like(v)
     has_dht, has_h0 = dht is not None, initial_state is not None
     dht = dht.to(f32).contiguous() if has_dht else None
     # a training forward that split hands its maps over: the same pieces then (its planner's
@@ -194,7 +194,7 @@ def _backward_kernels(
         )  # fmt: skip
     else:
         BV = choose_block_v(N, Hv, V, profile)
-        dh0 = buffers.new((N, Hv, K, V), f32, q.device) if has_h0 else placeholder
+        dh0 = buffers.new((N, Hv, K, V), f32, q) if has_h0 else placeholder
         walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, has_dht, has_h0)
         executable(walk)(
             q, k, do, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
@@ -204,8 +204,8 @@ def _backward_kernels(
     # 4. chunk gradients, once the states are there
     if beside is not None:
         main.wait_stream(beside)
-    dq, dk = buffers.new(q.shape, q.dtype, q.device), buffers.new(k.shape, k.dtype, q.device)
-    dbeta, dg = buffers.new((T, Hv), f32, q.device), buffers.new((T, Hv), f32, q.device)
+    dq, dk = buffers.new_like(q), buffers.new_like(k)
+    dbeta, dg = buffers.new((T, Hv), f32, q), buffers.new((T, Hv), f32, q)
     grads = chunk_grads_kernel(Hqk, Hv, K, V, dtype, profile)
     blocks = min(multiprocessors(q.device), slots * Hqk)  # persistent: one block an SM
     executable(grads)(q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, scale, slots, blocks)

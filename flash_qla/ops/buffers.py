@@ -1,11 +1,28 @@
-"""Output buffers of the kernels: one allocation point, so tests can poison every output."""
+"""Output buffers of the kernels: one allocation point, so tests can poison every output.
+
+`new` allocates a buffer; `scratch` hands out buffers for intermediates that one call writes
+and reads and then drops (kkt_solve's outputs in an inference forward), the same ones again to
+the next call of the same shapes on the same device and stream: the layers of a model step share
+their shapes, and a small call's host time is mostly such work (benchmark/NOTES.md v25).
+"""
 
 import torch
 
+# scratch keeps a call's buffers for the next call only when they take at most this many bytes
+# (16/32 at 2048 tokens: 17 MiB): small calls are the ones whose host time shows
+SCRATCH_MAX_BYTES = 64 * 2**20
 
-def new(shape, dtype, device) -> torch.Tensor:
-    """Allocate a buffer the kernels write in full (tests swap this for a NaN-poisoned fill)."""
-    return torch.empty(shape, dtype=dtype, device=device)
+
+def new(shape, dtype, like: torch.Tensor) -> torch.Tensor:
+    """Allocate a buffer on like's device that the kernels write in full (tests swap this for a
+    NaN-poisoned fill). like.new_empty: ~3 µs less host time than torch.empty(device=...) on the H200's host."""
+    return like.new_empty(shape, dtype=dtype)
+
+
+def new_like(x: torch.Tensor) -> torch.Tensor:
+    """new(x.shape, x.dtype, x) for a contiguous x, by torch.empty_like: ~3 µs less host time for a
+    large buffer on the H200's host."""
+    return torch.empty_like(x)
 
 
 _placeholders: dict = {}
@@ -17,3 +34,30 @@ def placeholder(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
     if key not in _placeholders:
         _placeholders[key] = torch.empty(1, Hv, K, V, dtype=torch.float32, device=device)
     return _placeholders[key]
+
+
+# (device index, raw stream) -> (specs, buffers) of the last call there
+_scratch: dict = {}
+
+
+def scratch(specs, like: torch.Tensor) -> list:
+    """Buffers of the given ((shape, dtype), ...) on like's device, for intermediates that the
+    caller's kernels write and read on the current stream and that nothing uses after the call.
+
+    The last call's buffers on this device and stream when they had the same specs, else new
+    ones (kept for the next call when they take at most SCRATCH_MAX_BYTES). Reuse is safe by
+    stream order: the next call's kernels, queued on the same stream, run after every kernel
+    of this one. During a CUDA graph capture the buffers are new and not kept (a replay may run
+    beside later calls).
+    """
+    if torch.cuda.is_current_stream_capturing():
+        return [new(shape, dtype, like) for shape, dtype in specs]
+    device = like.device.index
+    key = (device, torch._C._cuda_getCurrentRawStream(device))  # torch.cuda.current_stream() costs ~5 µs
+    kept = _scratch.get(key)
+    if kept is not None and kept[0] == specs:
+        return kept[1]
+    buffers = [new(shape, dtype, like) for shape, dtype in specs]
+    if sum(x.numel() * x.element_size() for x in buffers) <= SCRATCH_MAX_BYTES:
+        _scratch[key] = (specs, buffers)
+    return buffers

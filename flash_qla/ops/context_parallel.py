@@ -60,7 +60,7 @@ def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, pro
     assert K == V, "the transition M is walked as a state"
     bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
     placeholder = buffers.placeholder(v.device, Hv, K, V)
-    D = buffers.new((bounds.numel() - 1, Hv, K, 2 * K), torch.bfloat16, v.device)
+    D = buffers.new((bounds.numel() - 1, Hv, K, 2 * K), torch.bfloat16, v)
     maps(q, k, v, maps_gate, A, P, bounds, firsts, placeholder, v, D, placeholder, scale)
     return D
 
@@ -99,18 +99,18 @@ def split_walk(
     seq_pieces = first_pieces(cu_seqlens, C, slots, E)
     pieces = count_pieces(seqlens, C, E)
     n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
-    f32, device = torch.float32, v.device
-    placeholder = buffers.placeholder(device, Hv, K, V)
-    b = buffers.new((n, Hv, K, V), f32, device)
+    f32 = torch.float32
+    placeholder = buffers.placeholder(v.device, Hv, K, V)
+    b = buffers.new((n, Hv, K, V), f32, v)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
     # placeholder stand in
     offsets(q, k, v, offsets_gate, A, P, bounds, firsts, placeholder, v, b, placeholder, scale)
-    starts = buffers.new((n, Hv, K, V), f32, device)
+    starts = buffers.new((n, Hv, K, V), f32, v)
     compose = compose_maps_kernel(Hv, K, V, profile, initial_state is not None)
     executable(compose)(D, b, seq_pieces, placeholder if initial_state is None else initial_state, starts)
 
-    o = buffers.new(v.shape, v.dtype, device)
-    ends = buffers.new((n, Hv, K, V), f32, device)
+    o = buffers.new_like(v)
+    ends = buffers.new((n, Hv, K, V), f32, v)
     walk(q, k, v, walk_gate, A, P, bounds, firsts, starts, o, ends, placeholder if h is None else h, scale)
     # each sequence's last piece ends at its final state
     final_state = _per_sequence(ends, (seq_pieces[1:] - 1).clamp_(min=0), seq_pieces, seqlens, initial_state)
@@ -137,15 +137,15 @@ def split_backward_walk(
     bounds, firsts, _ = checkpoint_pieces(cu_seqlens, C, slots, E)
     seq_pieces = first_pieces(cu_seqlens, C, slots, E)
     n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
-    f32, device = torch.float32, dv.device
-    placeholder = buffers.placeholder(device, Hv, K, V)
-    offsets = buffers.new((n, Hv, K, V), f32, device)
+    f32 = torch.float32
+    placeholder = buffers.placeholder(dv.device, Hv, K, V)
+    offsets = buffers.new((n, Hv, K, V), f32, dv)
     ends_walk(q, k, do, gate, A, P, bounds, firsts, placeholder, dh, dv, offsets, scale)
     # every piece's end gradient; the rows of the empty pieces past the last are read, not used
-    ends = buffers.new((n, Hv, K, V), f32, device)
+    ends = buffers.new((n, Hv, K, V), f32, dv)
     compose = compose_maps_kernel(Hv, K, V, profile, dht is not None, True)
     executable(compose)(D, offsets, seq_pieces, placeholder if dht is None else dht, ends)
-    starts = buffers.new((n, Hv, K, V), f32, device) if store_dh0 else placeholder
+    starts = buffers.new((n, Hv, K, V), f32, dv) if store_dh0 else placeholder
     walk(q, k, do, gate, A, P, bounds, firsts, ends, dh, dv, starts, scale)
     if not store_dh0:
         return None

@@ -11,6 +11,8 @@ asked to (keep_states), every state, so that the backward recomputes none.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flash_qla.arch import ArchProfile, get_profile
@@ -21,7 +23,7 @@ from flash_qla.ops.context_parallel import maps_of_pieces, split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
-from flash_qla.ops.launch import executable
+from flash_qla.ops.launch import executable, on_device
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = ((128, 128),)
@@ -71,6 +73,13 @@ def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile, cost=CHUN
     RECOMPUTE_CHUNK_COST: the state recompute's).
     """
     return min(BLOCK_V_CHOICES, key=lambda bv: (chunk_step_time(n_seqs, Hv, V, bv, profile, cost), -bv))
+
+
+@functools.lru_cache(maxsize=1024)
+def walk_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
+    """choose_block_v for the forward walk over whole sequences, remembered: the layers of a step ask
+    the same (~3 µs of host time a call on the H200's host, benchmark/NOTES.md v25)."""
+    return choose_block_v(n_seqs, Hv, V, profile)
 
 
 # A training forward keeps checkpoints when the backward's state recompute, restarted from them
@@ -195,7 +204,7 @@ def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
 
 def forward_kernels(
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training,
-    keep_states=False,
+    keep_states=False, scratch=False,
 ):  # fmt: skip
     """The GPU forward; arguments and returns as flash_qla.dispatch._forward.
 
@@ -204,16 +213,16 @@ def forward_kernels(
     flash_qla.validation); initial_state [N, Hv, K, V] float32 or None.
     No host synchronisation here.
     """
-    with torch.cuda.device(q.device):  # launches go to q's device, not the current one
+    with on_device(q.device):  # launches go to q's device, not the current one
         return _forward_kernels(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp,
-            training, keep_states,
+            training, keep_states, scratch,
         )  # fmt: skip
 
 
 def _forward_kernels(
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training,
-    keep_states,
+    keep_states, scratch,
 ):  # fmt: skip
     device = q.device
     profile = get_profile(device)
@@ -222,28 +231,36 @@ def _forward_kernels(
     Hv, V = v.shape[2:]
     N = cu_seqlens.shape[0] - 1
     dtype = DTYPE_NAMES[q.dtype]
-    q, k, v = (x.squeeze(0).contiguous() for x in (q, k, v))
-    g = contiguous_in(g.squeeze(0), torch.float32)
+    f32 = torch.float32
+    # kkt_solve's inputs first: what only the walk reads is prepared while kkt_solve runs
+    q, k = q.squeeze(0).contiguous(), k.squeeze(0).contiguous()
+    g = contiguous_in(g.squeeze(0), f32)
     beta = contiguous_in(beta.squeeze(0), beta_kernel_dtype(beta, q))
     cu_seqlens = cu_seqlens.contiguous()
-    chunk_offsets = chunk_offsets_of(cu_seqlens, C)
     slots = T // C + N  # upper bound of the number of chunks, known without a sync
     chunks = chunk_table(cu_seqlens, C, slots)
 
-    g_cum = buffers.new((T, Hv), torch.float32, device)
-    gamma = buffers.new((Hv, slots, C), torch.float32, device)  # γ again, chunk-major, for the fused kernel
-    gates = buffers.new((Hv, slots, 2, C), torch.float32, device)  # e^γ, e^{γ_L − γ}: fused_fwd_wide's γ
-    A = buffers.new((T, Hv, C), q.dtype, device)
-    P = buffers.new((T, Hv, C), q.dtype, device)  # Q Kᵀ ⊙ Γ ⊙ Lower
+    assert not (keep_states and (output_h or not training)), "states are kept for a training backward"
+    assert not (scratch and (output_h or training)), "scratch holds what this call alone uses"
+    # kkt_solve's outputs: g_cum; γ again, chunk-major, for fused_fwd; e^γ and e^{γ_L − γ}, fused_fwd_wide's
+    # γ; A; P = Q Kᵀ ⊙ Γ ⊙ Lower
+    specs = (
+        ((T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((T, Hv, C), q.dtype), ((T, Hv, C), q.dtype)
+    )  # fmt: skip
+    if scratch:  # read by this call's walk alone
+        g_cum, gamma, gates, A, P = buffers.scratch(specs, q)
+    else:
+        g_cum, gamma, gates, A, P = (buffers.new(*spec, q) for spec in specs)
     kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, DTYPE_NAMES.get(beta.dtype, "float32"))
     executable(kkt)(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, slots)
+    v = v.squeeze(0).contiguous()
+    chunk_offsets = chunk_offsets_of(cu_seqlens, C)
 
-    assert not (keep_states and (output_h or not training)), "states are kept for a training backward"
     h = None  # output_h's fp32 states, or the kept ones in the input dtype, indexed by chunk slot
     if output_h:
-        h = buffers.new((sum(-(-n // C) for n in seqlens), Hv, K, V), torch.float32, device)
+        h = buffers.new((sum(-(-n // C) for n in seqlens), Hv, K, V), f32, q)
     elif keep_states:
-        h = buffers.new((slots, Hv, K, V), q.dtype, device)
+        h = buffers.new((slots, Hv, K, V), q.dtype, q)
     store_h = output_h or keep_states
     h0 = initial_state.contiguous() if initial_state is not None else None
     split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
@@ -252,7 +269,7 @@ def _forward_kernels(
     checkpoints = None
     maps = None
     if training and auto_cp and not keep_states and (split or keeps_checkpoints(seqlens, Hv, V, profile)):
-        checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), torch.float32, device)
+        checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), f32, q)
 
     if split:  # pieces: the start states are the checkpoints
         pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
@@ -280,9 +297,9 @@ def _forward_kernels(
             else:
                 first_rows.zero_()
         placeholder = buffers.placeholder(device, Hv, K, V)
-        o = buffers.new(v.shape, v.dtype, device)
-        final_state = buffers.new((N, Hv, K, V), torch.float32, device)
-        BV = choose_block_v(N, Hv, V, profile)
+        o = buffers.new_like(v)
+        final_state = buffers.new((N, Hv, K, V), f32, q)
+        BV = walk_block_v(N, Hv, V, profile)
         keeps = checkpoints is not None
         fused = walk_kernel(BV)(
             Hqk, Hv, K, V, BV, dtype, profile, h0 is not None, store_h, False, keeps, KEEP_H=keep_states
@@ -293,8 +310,8 @@ def _forward_kernels(
             placeholder if h0 is None else h0, o, final_state, states, scale,
         )  # fmt: skip
     return (
-        g_cum[None],
-        A[None],
+        None if scratch else g_cum[None],
+        None if scratch else A[None],
         o[None],
         h if output_h else None,
         final_state if output_final_state else None,

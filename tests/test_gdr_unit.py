@@ -181,10 +181,13 @@ def test_kkt_gates_are_the_gate_exponentials():
     torch.testing.assert_close(gates[:, :chunks, 1], torch.where(inside, (gam_last - gam).exp(), zero), rtol=GATES_TOL, atol=0)
 
 
-def test_inference_calls_share_scratch_by_stream():
+def test_inference_calls_share_scratch_by_stream(monkeypatch):
     """An inference call (no gradient) keeps kkt_solve's outputs in scratch buffers that the next call
-    of the same shapes on the same stream reuses (flash_qla.ops.buffers.scratch); another stream gets
-    its own. Each call is right though the buffers hold the previous call's values, poisoned here."""
+    of the same shapes on the same stream and thread reuses (flash_qla.ops.buffers.scratch); another
+    stream or thread gets its own. Each call is right though the buffers hold the previous call's
+    values, poisoned here."""
+    import threading
+
     from flash_qla.ops import buffers
 
     seqlens, (Hqk, Hv) = (300, 700), (4, 8)
@@ -200,8 +203,10 @@ def test_inference_calls_share_scratch_by_stream():
     def kept():
         return {key: [t.data_ptr() for t in tensors] for key, (_, tensors) in buffers._scratch.items()}
 
+    monkeypatch.setattr(buffers, "_scratch", {})  # none kept by earlier tests
     o1, errors1 = run(seed=1)
     first = kept()
+    assert len(first) == 1
     for _, tensors in buffers._scratch.values():
         for t in tensors:
             t.fill_(float("nan"))
@@ -214,9 +219,15 @@ def test_inference_calls_share_scratch_by_stream():
     with torch.cuda.stream(side):
         _, errors3 = run(seed=3)
     torch.cuda.current_stream().wait_stream(side)
-    assert len(kept()) == len(first) + 1
-    for errors in (errors1, errors2, errors3):
+    assert len(kept()) == 2
+    results = []
+    thread = threading.Thread(target=lambda: results.append(run(seed=4)[1]))
+    thread.start()
+    thread.join()
+    assert len(kept()) == 3
+    for errors in (errors1, errors2, errors3, *results):
         assert max(errors) <= FWD_TOL, errors
+    assert len(results) == 1
 
 
 def test_no_recompile_across_batch_shapes():

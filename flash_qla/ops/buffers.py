@@ -2,9 +2,11 @@
 
 `new` allocates a buffer; `scratch` hands out buffers for intermediates that one call writes
 and reads and then drops (kkt_solve's outputs in an inference forward), the same ones again to
-the next call of the same shapes on the same device and stream: the layers of a model step share
-their shapes, and a small call's host time is mostly such work (benchmark/NOTES.md v25).
+the next call of the same shapes on the same device, stream and thread: the layers of a model step
+share their shapes, and allocations were a third of a small call's host time (benchmark/NOTES.md v25).
 """
+
+import threading
 
 import torch
 
@@ -36,7 +38,7 @@ def placeholder(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
     return _placeholders[key]
 
 
-# (device index, raw stream) -> (specs, buffers) of the last call there
+# (device index, raw stream, thread) -> (specs, buffers) of the last call there
 _scratch: dict = {}
 
 
@@ -44,16 +46,18 @@ def scratch(specs, like: torch.Tensor) -> list:
     """Buffers of the given ((shape, dtype), ...) on like's device, for intermediates that the
     caller's kernels write and read on the current stream and that nothing uses after the call.
 
-    The last call's buffers on this device and stream when they had the same specs, else new
-    ones (kept for the next call when they take at most SCRATCH_MAX_BYTES). Reuse is safe by
-    stream order: the next call's kernels, queued on the same stream, run after every kernel
-    of this one. During a CUDA graph capture the buffers are new and not kept (a replay may run
-    beside later calls).
+    The last call's buffers on this device and stream from this thread when they had the same
+    specs, else new ones (kept for the next call when they take at most SCRATCH_MAX_BYTES). Reuse
+    is safe by stream order: the next call's kernels, queued on the same stream, run after every
+    kernel of this one. Per thread, because two threads' calls on one stream may interleave their
+    launches. During a CUDA graph capture the buffers are new and not kept (a replay may run beside
+    later calls).
     """
     if torch.cuda.is_current_stream_capturing():
         return [new(shape, dtype, like) for shape, dtype in specs]
     device = like.device.index
-    key = (device, torch._C._cuda_getCurrentRawStream(device))  # torch.cuda.current_stream() costs ~5 µs
+    # the raw stream handle: torch.cuda.current_stream() costs ~5 µs
+    key = (device, torch._C._cuda_getCurrentRawStream(device), threading.get_ident())
     kept = _scratch.get(key)
     if kept is not None and kept[0] == specs:
         return kept[1]

@@ -237,6 +237,8 @@ def test_checks_run_once_per_signature(monkeypatch):
     with pytest.raises(ValueError, match=re.escape("cu_seqlens: expected non-decreasing values")):
         call_api(x)
     x = valid_inputs(varlen=True)
-    x["scale"] = True  # equal to 1 as a number, not a float
+    x["scale"] = 1
+    call_api(x)
+    x["scale"] = True  # equal to the 1 that passed, but not a number here
     with pytest.raises(TypeError, match=re.escape("scale: expected None or a float")):
         call_api(x)

@@ -235,7 +235,8 @@ def test_checks_run_once_per_signature(monkeypatch):
     x = valid_inputs(varlen=True)
     x["cu_seqlens"] = torch.tensor([0, T + 1, T])  # the signature that passed, values that do not
     with pytest.raises(ValueError, match=re.escape("cu_seqlens: expected non-decreasing values")):
-        call_api(x)
+        validation.check_inputs(*(x[name] for name in ("q", "k", "v", "g", "beta", "scale", "initial_state")),
+                                x["cu_seqlens"], x["state_v_first"])  # fmt: skip
     x = valid_inputs(varlen=True)
     x["scale"] = 1
     call_api(x)

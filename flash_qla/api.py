@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from flash_qla.autograd import ChunkGatedDeltaRuleFunction
 from flash_qla.dispatch import _backward, _forward
-from flash_qla.validation import check_backward_inputs, check_inputs, check_options, seqlens_of
+from flash_qla.validation import check_backward_inputs, check_inputs, check_options
 
 
 def _default_scale(scale, q):
@@ -16,8 +16,11 @@ def _default_scale(scale, q):
 
 
 def _pack(*tensors):
-    """[B, T, ...] -> [1, B * T, ...]: dense batch rows become packed sequences."""
-    return [x if x.shape[0] == 1 else x.flatten(0, 1).unsqueeze(0) for x in tensors]
+    """[B, T, ...] -> [1, B * T, ...]: dense batch rows become packed sequences (validated inputs:
+    one B for all)."""
+    if tensors[0].shape[0] == 1:
+        return tensors
+    return [x.flatten(0, 1).unsqueeze(0) for x in tensors]
 
 
 def _unpack(x, B, T):
@@ -45,12 +48,6 @@ def _dense_cu_seqlens(B, T, device):
     return torch.arange(B + 1, dtype=torch.int32, device=device) * T
 
 
-def _host_seqlens(cu_seqlens, B, T):
-    """The sequence lengths as host ints, for the planner and the sizes of outputs: those validation
-    read from cu_seqlens (cached: no second read), or B of T for a dense batch."""
-    return (T,) * B if cu_seqlens is None else seqlens_of(cu_seqlens, T)
-
-
 def _state_in(state, state_v_first, q):
     """User layout -> [N, Hv, K, V] in float32 (float64 for float64 inputs, PyTorch path only)."""
     if state is None:
@@ -63,6 +60,18 @@ def _state_out(state, state_v_first):
     if state is None or not state_v_first:
         return state
     return state.transpose(-1, -2)
+
+
+def _differentiable(q, k, v, g, beta, initial_state):
+    """Whether a call builds an autograd node: grad mode on and an input that requires a gradient."""
+    return torch.is_grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or g.requires_grad
+        or beta.requires_grad
+        or (initial_state is not None and initial_state.requires_grad)
+    )
 
 
 def _l2norm(x):
@@ -153,7 +162,7 @@ def chunk_gated_delta_rule(
     gradient (or grad mode is off) no autograd node is built.
     """
     check_options(head_first)
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    seqlens = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     B, T = q.shape[:2]
@@ -164,8 +173,7 @@ def chunk_gated_delta_rule(
         _packed_cu_seqlens(cu_seqlens, q),
         output_final_state,
     )
-    seqlens = _host_seqlens(cu_seqlens, B, T)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+    if _differentiable(q, k, v, g, beta, initial_state):
         o, final_state = ChunkGatedDeltaRuleFunction.apply(*args, seqlens, auto_cp, keep_states)
     else:  # nothing to differentiate: no autograd node, nothing saved for a backward, A in scratch
         _, _, o, _, final_state, _, _, _ = _forward(*args, False, seqlens, auto_cp, scratch=True)
@@ -221,7 +229,7 @@ def chunk_gated_delta_rule_fwd(
 
     float32 outputs are float64 for float64 inputs (PyTorch path only).
     """
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    seqlens = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     B, T = q.shape[:2]
     with torch.no_grad():
         g_cum, A, o, h, final_state, _, _, _ = _forward(
@@ -231,7 +239,7 @@ def chunk_gated_delta_rule_fwd(
             _packed_cu_seqlens(cu_seqlens, q),
             output_final_state,
             output_h,
-            _host_seqlens(cu_seqlens, B, T),
+            seqlens,
             auto_cp,
         )
     return _unpack(g_cum, B, T), _unpack(A, B, T), _unpack(o, B, T), h, _state_out(final_state, state_v_first)
@@ -281,7 +289,7 @@ def chunk_gated_delta_rule_bwd(
     dh0 : Tensor, layout of initial_state, float32 (float64 for float64 inputs), or None
         None when initial_state is None.
     """
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    seqlens = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     check_backward_inputs(q, v, A, do, dht, cu_seqlens, state_v_first)
     B, T = q.shape[:2]
     dq, dk, dv, dbeta, dg, dh0 = _backward(
@@ -290,7 +298,7 @@ def chunk_gated_delta_rule_bwd(
         _default_scale(scale, q),
         _state_in(initial_state, state_v_first, q),
         _packed_cu_seqlens(cu_seqlens, q),
-        _host_seqlens(cu_seqlens, B, T),
+        seqlens,
         auto_cp=auto_cp,
     )
     return (*(_unpack(x, B, T) for x in (dq, dk, dv, dbeta, dg)), _state_out(dh0, state_v_first))

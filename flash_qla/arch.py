@@ -77,12 +77,20 @@ def unsupported_reason(device: torch.device) -> str | None:
     return None
 
 
+_profile_of: dict = {}  # torch.device with an index -> its profile, once found (every call asks)
+
+
 def get_profile(device: torch.device) -> ArchProfile:
     """The profile for ``device``; raises RuntimeError naming the capability if unsupported."""
-    reason = unsupported_reason(device)
-    if reason is not None:
-        raise RuntimeError(reason)
-    return PROFILES[_capability(device)]
+    profile = _profile_of.get(device)
+    if profile is None:
+        reason = unsupported_reason(device)
+        if reason is not None:
+            raise RuntimeError(reason)
+        profile = PROFILES[_capability(device)]
+        if device.index is not None:  # "cuda" alone means the current device, which may change
+            _profile_of[device] = profile
+    return profile
 
 
 def _capability(device: torch.device) -> tuple[int, int]:

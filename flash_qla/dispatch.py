@@ -10,14 +10,31 @@ device's architecture (flash_qla.arch), forward and backward. CUDA inputs the ke
 cannot take raise, rather than silently taking a path hundreds of times slower.
 """
 
+import functools
+
 from flash_qla.reference.chunked import chunk_gated_delta_rule_bwd_ref, chunk_gated_delta_rule_fwd_ref
+
+
+@functools.cache
+def _gpu_forward():
+    """flash_qla.ops.forward, imported at the first GPU call (CPU tensors never load TileLang); once:
+    an import statement costs ~1 µs of host time on every call."""
+    from flash_qla.ops import forward
+
+    return forward
+
+
+@functools.cache
+def _gpu_backward():
+    """flash_qla.ops.backward, as _gpu_forward."""
+    from flash_qla.ops import backward
+
+    return backward
 
 
 def _check_kernel_inputs(q, v):
     """Raise a ValueError naming q when the GPU kernels cannot take these inputs."""
-    from flash_qla.ops.forward import kernel_unsupported_reason
-
-    reason = kernel_unsupported_reason(q, v)
+    reason = _gpu_forward().kernel_unsupported_reason(q, v)
     if reason is not None:
         raise ValueError(f"q: {reason}")
 
@@ -51,10 +68,8 @@ def _forward(
         None), which the backward then takes instead of computing them again.
     """
     if q.is_cuda:
-        from flash_qla.ops.forward import forward_kernels
-
         _check_kernel_inputs(q, v)
-        return forward_kernels(
+        return _gpu_forward().forward_kernels(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp,
             training, keep_states, scratch,
         )  # fmt: skip
@@ -83,10 +98,8 @@ def _backward(
         The kernels use A; the reference recomputes the forward and ignores it.
     """
     if q.is_cuda:
-        from flash_qla.ops.backward import backward_kernels
-
         _check_kernel_inputs(q, v)
-        return backward_kernels(
+        return _gpu_backward().backward_kernels(
             q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp,
             chunk_terms,
         )  # fmt: skip

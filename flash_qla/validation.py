@@ -61,15 +61,16 @@ def _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first
 _passed = {"signature": None}  # the signature of the last arguments check_inputs passed
 
 
-def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):
-    """Check the inputs every entry point shares; g may be the raw gate or g_cum."""
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first) -> tuple:
+    """Check the inputs every entry point shares; g may be the raw gate or g_cum.
+
+    Returns the sequence lengths as host ints: cu_seqlens' (seqlens_of), or B of T."""
     signature = _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
-    if signature is not None and signature == _passed["signature"]:  # the same checks passed last time
-        if cu_seqlens is not None:
-            seqlens_of(cu_seqlens, q.shape[1])  # its values: remembered per tensor
-        return
-    _check_full(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
-    _passed["signature"] = signature
+    if signature is None or signature != _passed["signature"]:  # else the same checks passed last time
+        _check_full(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+        _passed["signature"] = signature
+    B, T = q.shape[:2]
+    return (T,) * B if cu_seqlens is None else seqlens_of(cu_seqlens, T)  # values: remembered per tensor
 
 
 def _check_full(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):

@@ -227,6 +227,28 @@ def test_cpu_device_is_not_a_kernel_device():
     assert "CUDA device" in unsupported_reason(torch.device("cpu"))
 
 
+def test_profiles_found_once_per_device(monkeypatch):
+    """get_profile reads a device's capability once; an unsupported one raises on every call, and
+    "cuda" without an index (the current device, which may change) is looked up each time."""
+    from flash_qla import arch
+
+    capabilities = {0: (9, 0), 1: (8, 0)}
+    reads = []
+    monkeypatch.setattr(arch, "_profile_of", {})
+    monkeypatch.setattr(arch, "_capability_of_index", lambda index: (reads.append(index), capabilities[index])[1])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert arch.get_profile(torch.device("cuda", 0)) is SM90
+    assert arch.get_profile(torch.device("cuda", 0)) is SM90
+    assert reads == [0, 0]  # unsupported_reason's read and the profile's, on the first call only
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="compute capability 8.0"):
+            arch.get_profile(torch.device("cuda", 1))
+    assert reads == [0, 0, 1, 1]
+    assert arch.get_profile(torch.device("cuda")) is SM90
+    assert arch.get_profile(torch.device("cuda")) is SM90
+    assert reads == [0, 0, 1, 1, 0, 0, 0, 0]
+
+
 def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
     """The CLI compiles the cross product of --dtype x --heads into --cache-dir (builds stubbed)."""
     from flash_qla.ops import backward, forward

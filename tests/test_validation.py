@@ -214,6 +214,18 @@ def test_seqlens_read_once_per_tensor(monkeypatch):
     assert seqlens_of(cu, 10) == (4, 0, 6)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_check_inputs_returns_the_lengths(monkeypatch, varlen):
+    """What the planner and the sizes of outputs take: cu_seqlens' lengths, or B of T."""
+    from flash_qla import validation
+
+    monkeypatch.setitem(validation._passed, "signature", None)
+    x = valid_inputs(varlen)
+    args = [x[name] for name in ("q", "k", "v", "g", "beta", "scale", "initial_state", "cu_seqlens", "state_v_first")]
+    assert validation.check_inputs(*args) == ((3, 7) if varlen else (T,) * B)  # the full checks' path
+    assert validation.check_inputs(*args) == ((3, 7) if varlen else (T,) * B)  # the signature's path
+
+
 def test_checks_run_once_per_signature(monkeypatch):
     """check_inputs remembers the last arguments it passed by their shapes, dtypes and devices (the
     layers of a step repeat them) and checks again whatever differs, a new cu_seqlens' values too."""

@@ -160,9 +160,9 @@ def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: boo
     training step (its maps go to the backward), which splits up to TRAINING_SPLIT_GAIN.
     """
     every = profile.checkpoint_chunks
-    chunks = [-(-n // profile.chunk) for n in seqlens if n > 0]
-    if not chunks or max(chunks) <= every:
+    if max(seqlens) <= every * profile.chunk:  # no sequence longer than one piece
         return False
+    chunks = [-(-n // profile.chunk) for n in seqlens if n > 0]
     pieces = sum(-(-c // every) for c in chunks)
     maps = 2 * walk_time(pieces, every, Hv, V, profile, RECOMPUTE_CHUNK_COST)
     walks = PIECE_WALKS * (maps + walk_time(pieces, every, Hv, V, profile, CHUNK_COST))

@@ -190,6 +190,16 @@ def test_inference_calls_skip_autograd_and_match(mode):
     assert torch.equal(o, o_grad.detach()) and torch.equal(final_state, final_grad.detach())
 
 
+def test_release_scratch_empties_the_kept_buffers(monkeypatch):
+    """flash_qla.release_scratch() drops every kept scratch buffer (their use: tests/test_gdr_unit.py)."""
+    import flash_qla
+    from flash_qla.ops import buffers
+
+    monkeypatch.setattr(buffers, "_scratch", {(0, 0, 0): ((((4,), torch.float32),), [torch.empty(4)])})
+    flash_qla.release_scratch()
+    assert buffers._scratch == {}
+
+
 # Low-level forward: shapes and dtypes, and h, A, g_cum checked against their definitions.
 
 

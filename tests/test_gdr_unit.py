@@ -184,8 +184,8 @@ def test_kkt_gates_are_the_gate_exponentials():
 def test_inference_calls_share_scratch_by_stream(monkeypatch):
     """An inference call (no gradient) keeps kkt_solve's outputs in scratch buffers that the next call
     of the same shapes on the same stream and thread reuses (flash_qla.ops.buffers.scratch); another
-    stream or thread gets its own. Each call is right though the buffers hold the previous call's
-    values, poisoned here."""
+    stream or thread gets its own; flash_qla.release_scratch() frees them all. Each call is right though
+    the buffers hold the previous call's values, poisoned here."""
     import threading
 
     from flash_qla.ops import buffers
@@ -225,7 +225,11 @@ def test_inference_calls_share_scratch_by_stream(monkeypatch):
     thread.start()
     thread.join()
     assert len(kept()) == 3
-    for errors in (errors1, errors2, errors3, *results):
+    flash_qla.release_scratch()
+    assert kept() == {}
+    _, errors5 = run(seed=5)
+    assert len(kept()) == 1  # kept again by the next call
+    for errors in (errors1, errors2, errors3, *results, errors5):
         assert max(errors) <= FWD_TOL, errors
     assert len(results) == 1
 

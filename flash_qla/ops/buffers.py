@@ -65,3 +65,13 @@ def scratch(specs, like: torch.Tensor) -> list:
     if sum(x.numel() * x.element_size() for x in buffers) <= SCRATCH_MAX_BYTES:
         _scratch[key] = (specs, buffers)
     return buffers
+
+
+def release_scratch() -> None:
+    """Free the scratch buffers that inference calls keep for the next call of the same shapes (at
+    most SCRATCH_MAX_BYTES per device, stream and thread that ran one); the next such call allocates
+    them again. The memory goes back to PyTorch's caching allocator (torch.cuda.empty_cache() then
+    returns it to the device). Safe while calls are in flight: a call holds its own references to
+    its buffers, and the allocator reuses a freed block only in the order of its stream.
+    """
+    _scratch.clear()

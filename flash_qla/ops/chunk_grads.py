@@ -77,17 +77,31 @@ dq and dk are staged in v_new's tile, one after the other, for whole-row 16-byte
 accumulators a store writes 4 bytes of a row).
 The four [C, C] terms of dq and dk are issued without a wait before dβ and dγ, whose
 reductions and scan use no tensor cores, and waited for after them (1.390 -> 1.375
-ms at 16/32 8x4096, 1.391 -> 1.367 at 1x32768; benchmark/NOTES.md v11 step 6). The last
-valid token's two totals are warp shuffle sums, computed by every warp (no barrier), where a
-serial sum over shared memory was a chain of 2 C dependent adds in every thread (low-level
-backward 16/32 8x4096 2.320 -> 2.304 ms, 2/8 0.620 -> 0.617; dq, dk, dβ bitwise, dg within
-2e-7; benchmark/NOTES.md v15).
+ms at 16/32 8x4096, 1.391 -> 1.367 at 1x32768; benchmark/NOTES.md v11 step 6).
 Against synchronous tile copies and direct stores: 16/32 8x4096 backward 3.39 -> 2.79 ms,
-1x32768 3.99 -> 3.43 (benchmark/NOTES.md v8). The row and column sums batch each thread's
-results into one exchange between the warpgroups (`ROW_BATCH`, `COL_BATCH`): the reductions
-take 31 block-wide barriers a v-head where one exchange per result took 76; chunk_grads
-1.59 -> 1.44 ms at 16/32 8x4096, results bitwise equal (benchmark/NOTES.md v9). A chunk's first
-token and length come from the chunk table (flash_qla.ops.chunks) with one load.
+1x32768 3.99 -> 3.43 (benchmark/NOTES.md v8). A chunk's first token and length come from the
+chunk table (flash_qla.ops.chunks) with one load.
+
+Barriers: a v-head waits at 10 block-wide barriers (3 for its copies, 2 before products that
+read tiles just stored, 3 after tiles are read for the last time, 2 that TileLang's planning
+adds), where it took 48. At one block of 8 warps an SM each is time no warp issues in:
+- the row and column sums take none of their own: a row sum is reduced within each warpgroup's
+  half of the columns and a column sum within each warp's 16 rows, by shuffles (X, Rr and Rc
+  index the warpgroup or warp explicitly, so the reduction stays inside it); the halves and the
+  four warps' parts go to shared memory and are added where dβ and dγ read them;
+- the small fp32 arrays (γ, its exponentials, the sums' parts) are static shared memory:
+  TileLang plans their barriers apart from the tiles' (in the one dynamic buffer it cannot prove
+  most accesses disjoint, and put barriers between unrelated ones);
+- v_new's tile and the four [C, C] operand tiles are stored from the loops that form them (a
+  T.copy lowers to stmatrix and took a barrier of its own before each);
+- dγ's reverse cumsum runs in warp 0's registers by shuffles (rows lane and 32 + lane), with
+  the last valid token's two totals (warp shuffle sums too; a serial sum over shared memory was a
+  chain of 2 C dependent adds, benchmark/NOTES.md v15), not over a shared tile between barriers.
+One exchange per result through shared memory took 76 barriers a v-head, batched exchanges 48
+(chunk_grads 1.59 -> 1.44 ms at 16/32 8x4096, benchmark/NOTES.md v9); these 10, training step
+(benchmark/NOTES.md v27, one process, interleaved): 16/32 8x4096 2.549 -> 2.431 ms, 1x32768
+3.305 -> 3.192, 2/8 8x4096 0.698 -> 0.673, 4/16 8x4096 1.256 -> 1.201; dq, dk, dv bitwise, dβ
+within 1.1e-5 and dg 2.5e-7 (relative: the sums' order changed).
 """
 
 import functools
@@ -108,14 +122,16 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     assert K % C == 0, "⟨S, dS'⟩ folds K rows onto C"
     assert C % 32 == 0, "the last token's totals: C // 32 elements a lane"
     assert K == V, "dq and dk are staged in v_new's tile"
+    assert C == 64, "a wgmma accumulator's rows: 4 warps of 16 (the column sums' four parts)"
     accum = "float32"
     # Reductions over a wgmma accumulator, whose threads hold 2 of their warp's 16 rows and 2 of
-    # every 8 columns (the warpgroups split the columns): a thread's results go through one
-    # batched exchange, one set of barriers for all (a set each took 76 barriers a v-head).
-    # Each batched result takes a [threads] fp32 workspace in shared memory: the column sums
-    # (8 a thread) go in two batches of 4, so the block stays under the 227 KB limit
-    ROW_BATCH = 2
-    COL_BATCH = 4
+    # every 8 columns: the warpgroups split the columns, the 4 warps of a warpgroup its 64 rows.
+    # A row sum is reduced within each warpgroup's half of the columns (X and Rr: [C, 2, half],
+    # the middle index the warpgroup), a column sum within each warp's 16 rows (Rc: [C // 16, 16,
+    # C], the first index the warp), by shuffles alone; the halves and the warps' parts go to
+    # shared memory and are added where they are read, after a barrier that is there anyway.
+    HALF = V // 2
+    WARP_ROWS = 16
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
     # a v-head's tiles in the order they are copied, one cp.async group each, in two sets issued
@@ -200,33 +216,39 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             s_s = T.alloc_shared([K, V], dtype)  # S
             ds_s = T.alloc_shared([K, V], dtype)  # dS'
             gam_s = T.alloc_shared([C], accum)  # γ as copied (the next v-head's once prefetched)
-            gc_s = T.alloc_shared([C], accum)  # this v-head's γ
-            eg_s = T.alloc_shared([C], accum)
-            ed_s = T.alloc_shared([C], accum)
-            dg_s = T.alloc_shared([C], accum)  # dγ, row terms
-            rr_s = T.alloc_shared([C], accum)  # rowsum(R)
-            rc_s = T.alloc_shared([C], accum)  # colsum(R)
-            vk_s = T.alloc_shared([C], accum)  # ⟨v_new_i, (K dS')_i⟩
-            sd_s = T.alloc_shared([C], accum)  # partial sums of ⟨S, dS'⟩
+            gc_s = T.alloc_shared([C], accum, scope="shared")  # this v-head's γ
+            eg_s = T.alloc_shared([C], accum, scope="shared")
+            ed_s = T.alloc_shared([C], accum, scope="shared")
+            # the reductions' parts: [C, 2] the warpgroups' halves of a row sum, [C // 16, C] the
+            # warps' parts of a column sum
+            dgr_s = T.alloc_shared([C, 2], accum, scope="shared")  # dγ's row terms of the state products
+            rr_s = T.alloc_shared([C, 2], accum, scope="shared")  # rowsum(R)
+            rc_s = T.alloc_shared([C // WARP_ROWS, C], accum, scope="shared")  # colsum(R)
+            vk_s = T.alloc_shared([C, 2], accum, scope="shared")  # ⟨v_new_i, (K dS')_i⟩
+            sd_s = T.alloc_shared([C, 2], accum, scope="shared")  # row sums of ⟨S, dS'⟩'s fold
+            db_s = T.alloc_shared([C, 2], accum, scope="shared")  # dβ
 
             KS = T.alloc_fragment([C, V], accum)  # K S, then U, then W = U − N v_new
             KD = T.alloc_fragment([C, V], accum)  # K dS', then scale Pᵀ dO − Nᵀ dU
             VN = T.alloc_fragment([C, V], accum)  # v_new
-            X = T.alloc_fragment([C, V], accum)  # elementwise terms of row sums
+            X = T.alloc_fragment([C, 2, HALF], accum)  # elementwise terms of row sums, X[i, j // HALF, j % HALF]
             QK = T.alloc_fragment([C, C], accum)  # Q Kᵀ
             KK = T.alloc_fragment([C, C], accum)  # K Kᵀ
-            NN = T.alloc_fragment([C, C], accum)  # N
             DP = T.alloc_fragment([C, C], accum)
             DN = T.alloc_fragment([C, C], accum)
             G = T.alloc_fragment([C, C], accum)  # Γ on and below the diagonal of the valid rows
-            R = T.alloc_fragment([C, C], accum)
+            Rr = T.alloc_fragment([C, 2, C // 2], accum)  # R for its row sums, Rr[i, j // (C / 2), j % (C / 2)]
+            # R for its column sums, Rc[i // 16, i % 16, j]
+            Rc = T.alloc_fragment([C // WARP_ROWS, WARP_ROWS, C], accum)
             DQ = T.alloc_fragment([C, K], accum)  # summed over the v-heads
             DK = T.alloc_fragment([C, K], accum)  # summed over the v-heads
             Y = T.alloc_fragment([C, K], accum)
             Z = T.alloc_fragment([C, K], accum)
-            rows = T.alloc_fragment([C], accum)  # row sums of [C, V] tiles
-            r_rows = T.alloc_fragment([C], accum)
-            r_cols = T.alloc_fragment([C], accum)
+            rows = T.alloc_fragment([C, 2], accum)  # row sums of [C, V] tiles, per warpgroup
+            r_rows = T.alloc_fragment([C, 2], accum)
+            r_cols = T.alloc_fragment([C // WARP_ROWS, C], accum)  # per warp
+            dgl = T.alloc_local([C // 32], accum)  # warp 0: dγ of rows lane and 32 + lane
+            shifted = T.alloc_var(accum)
             t0 = T.alloc_var("int32")
             valid = T.alloc_var("int32")
             next_t0 = T.alloc_var("int32")  # the block's next item's chunk: first token and tokens
@@ -235,7 +257,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             at_last = T.alloc_var(accum)
             sd_part = T.alloc_var(accum)
             vk_part = T.alloc_var(accum)
-            lane = T.get_thread_binding() % 32
+            tx = T.get_thread_binding()
+            lane = tx % 32
 
             # items (chunk slot, qk-head), slot-major: the empty slots past the last chunk come
             # last, so a block's items are valid up to its first empty one
@@ -281,8 +304,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         T.clear(X)
                         for b in T.unroll(K // C):
                             for i, j in T.Parallel(C, V):
-                                X[i, j] = X[i, j] + s_s[b * C + i, j] * ds_s[b * C + i, j]
-                        T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
+                                X[i, j // HALF, j % HALF] += s_s[b * C + i, j] * ds_s[b * C + i, j]
+                        T.reduce_sum(X, rows, dim=2)
                         T.copy(rows, sd_s)
                         T.wait_wgmma(0)
                         for acc in (KS, KD):
@@ -292,12 +315,13 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                             KS[i, j] = u_s[i, j] - eg_s[i] * KS[i, j]
                         T.copy(KS, u_s)
                         T.gemm(a_s, u_s, VN, clear_accum=True)
-                        T.copy(VN, vn_s)
+                        # v_new's tile stored from the loop that reads v_new, each thread the elements it
+                        # holds (a T.copy, by stmatrix, took a block-wide barrier of its own)
                         for i, j in T.Parallel(C, V):
-                            X[i, j] = VN[i, j] * KD[i, j]
-                        T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
-                        for i, j in T.Parallel(C, V):  # dv_new's K dS' term, in U's tile (free now)
-                            u_s[i, j] = KD[i, j] * ed_s[i]
+                            vn_s[i, j] = VN[i, j]
+                            X[i, j // HALF, j % HALF] = VN[i, j] * KD[i, j]
+                            u_s[i, j] = KD[i, j] * ed_s[i]  # dv_new's K dS' term, in U's tile (free now)
+                        T.reduce_sum(X, rows, dim=2)
                         T.copy(rows, vk_s)
 
                         # 2. the state terms: dq += scale diag(e^γ) dO Sᵀ,
@@ -308,13 +332,13 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         T.gemm(do_s, s_s, Y, transpose_B=True, clear_accum=True)
                         for i, d in T.Parallel(C, K):
                             DQ[i, d] = DQ[i, d] + Y[i, d] * (scale * eg_s[i])
-                            X[i, d] = Y[i, d] * q_s[i, d] * scale
+                            X[i, d // HALF, d % HALF] = Y[i, d] * q_s[i, d] * scale
                         T.gemm(du_s, s_s, Y, transpose_B=True, clear_accum=True)
                         for i, d in T.Parallel(C, K):
                             DK[i, d] = DK[i, d] - eg_s[i] * Y[i, d]
-                            X[i, d] = (X[i, d] - Y[i, d] * k_s[i, d]) * eg_s[i]
-                        T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
-                        T.copy(rows, dg_s)
+                            X[i, d // HALF, d % HALF] = (X[i, d // HALF, d % HALF] - Y[i, d] * k_s[i, d]) * eg_s[i]
+                        T.reduce_sum(X, rows, dim=2)
+                        T.copy(rows, dgr_s)
                         T.gemm(vn_s, ds_s, Z, transpose_B=True, clear_accum=True)
                         for i, d in T.Parallel(C, K):
                             DK[i, d] = DK[i, d] + ed_s[i] * Z[i, d]
@@ -335,20 +359,23 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                             T.warpgroup_fence_operand(acc, num_regs=C * C // profile.grads_threads)
                         for i, j in T.Parallel(C, C):
                             G[i, j] = T.if_then_else(j <= i and i < valid, T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
+                        # the [C, C] operands stored from the loop that forms them (a T.copy each, by
+                        # stmatrix, took a block-wide barrier each), R's sums, then one barrier for both
                         for i, j in T.Parallel(C, C):
                             DP[i, j] = DP[i, j] * scale * G[i, j]  # dP ⊙ Γ
                             DN[i, j] = T.if_then_else(j < i, -DN[i, j] * G[i, j], 0.0)  # dN ⊙ Γ
-                            R[i, j] = DP[i, j] * QK[i, j] + DN[i, j] * KK[i, j]  # dP ⊙ P + dN ⊙ N
-                            NN[i, j] = T.if_then_else(j < i, -KK[i, j] * G[i, j], 0.0)  # −N
-                            G[i, j] = QK[i, j] * G[i, j] * scale  # scale · P
-                        T.copy(DP, dqk_s)
-                        T.copy(DN, dkk_s)
-                        T.copy(NN, n_s)
-                        T.copy(G, p_s)
-                        T.reduce_sum(R, r_rows, dim=1, batch=ROW_BATCH)
+                            # R = dP ⊙ P + dN ⊙ N
+                            Rr[i, j // (C // 2), j % (C // 2)] = DP[i, j] * QK[i, j] + DN[i, j] * KK[i, j]
+                            Rc[i // WARP_ROWS, i % WARP_ROWS, j] = Rr[i, j // (C // 2), j % (C // 2)]
+                            dqk_s[i, j] = DP[i, j]
+                            dkk_s[i, j] = DN[i, j]
+                            n_s[i, j] = T.if_then_else(j < i, -KK[i, j] * G[i, j], 0.0)  # −N
+                            p_s[i, j] = QK[i, j] * G[i, j] * scale  # scale · P
+                        T.reduce_sum(Rr, r_rows, dim=2)
                         T.copy(r_rows, rr_s)
-                        T.reduce_sum(R, r_cols, dim=0, batch=COL_BATCH)
+                        T.reduce_sum(Rc, r_cols, dim=1)
                         T.copy(r_cols, rc_s)
+                        T.sync_threads()  # TileLang plans the small static arrays' barriers apart from the tiles'
 
                         # W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
                         T.gemm(n_s, vn_s, KS)  # n_s holds −N
@@ -363,35 +390,44 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         T.wgmma_gemm(dkk_s, k_s, DK, transpose_A=True)
 
                         for i, j in T.Parallel(C, V):
-                            X[i, j] = (u_s[i, j] + KD[i, j]) * KS[i, j]
-                        T.reduce_sum(X, rows, dim=1, batch=ROW_BATCH)
-                        for i in T.Parallel(C):
-                            if i < valid:
-                                dbeta[t0 + i, ih] = rows[i]
+                            X[i, j // HALF, j % HALF] = (u_s[i, j] + KD[i, j]) * KS[i, j]
+                        T.reduce_sum(X, rows, dim=2)
 
-                        # dγ and its reverse cumsum over the chunk. The last valid token's two totals,
-                        # Σ ⟨S, dS'⟩ rows and Σ_i e^{γ_L − γ_i} vk_i, are summed by every warp at once
-                        # with shuffles
-                        sd_part = sd_s[lane]
-                        vk_part = ed_s[lane] * vk_s[lane]
-                        for r in T.unroll(1, C // 32):
-                            sd_part += sd_s[r * 32 + lane]
-                            vk_part += ed_s[r * 32 + lane] * vk_s[r * 32 + lane]
-                        at_last = T.warp_reduce_sum(sd_part) * T.exp2(g_last * LOG2E) + T.warp_reduce_sum(vk_part)
-                        for i in T.Parallel(C):
-                            dg_s[i] = (
-                                dg_s[i] + rr_s[i] - rc_s[i] - ed_s[i] * vk_s[i]
-                                + T.if_then_else(i == valid - 1, at_last, 0.0)
-                            )
-                        T.cumsum(dg_s, dim=0, reverse=True)
-                        for i in T.Parallel(C):
-                            if i < valid:
-                                dg[t0 + i, ih] = dg_s[i]
+                        # dγ of rows lane and 32 + lane and its reverse cumsum over the chunk, in warp 0's
+                        # registers by shuffles (no shared tile, no barrier); the last valid token's two
+                        # totals, Σ ⟨S, dS'⟩ rows and Σ_i e^{γ_L − γ_i} vk_i, by warp shuffles too
+                        if tx < 32:
+                            sd_part = sd_s[lane, 0] + sd_s[lane, 1]
+                            vk_part = ed_s[lane] * (vk_s[lane, 0] + vk_s[lane, 1])
+                            for r in T.unroll(1, C // 32):
+                                sd_part += sd_s[r * 32 + lane, 0] + sd_s[r * 32 + lane, 1]
+                                vk_part += ed_s[r * 32 + lane] * (vk_s[r * 32 + lane, 0] + vk_s[r * 32 + lane, 1])
+                            at_last = T.warp_reduce_sum(sd_part) * T.exp2(g_last * LOG2E) + T.warp_reduce_sum(vk_part)
+                            for r in T.unroll(C // 32):
+                                row = r * 32 + lane
+                                dgl[r] = (
+                                    dgr_s[row, 0] + dgr_s[row, 1] + rr_s[row, 0] + rr_s[row, 1]
+                                    - (rc_s[0, row] + rc_s[1, row] + rc_s[2, row] + rc_s[3, row])
+                                    - ed_s[row] * (vk_s[row, 0] + vk_s[row, 1])
+                                    + T.if_then_else(row == valid - 1, at_last, 0.0)
+                                )
+                            for r in T.unroll(C // 32):  # suffix sums within each 32 rows
+                                for o in T.unroll(5):
+                                    shifted = T.shfl_down(dgl[r], 1 << o)
+                                    dgl[r] += T.if_then_else(lane + (1 << o) < 32, shifted, 0.0)
+                            dgl[0] += T.shfl_sync(dgl[1], 0)  # rows 32.. in rows ..31
+                            for r in T.unroll(C // 32):
+                                if r * 32 + lane < valid:
+                                    dg[t0 + r * 32 + lane, ih] = dgl[r]
+                        T.copy(rows, db_s)  # dβ's halves, added where dβ is stored
 
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(DQ, num_regs=C * K // profile.grads_threads)
                         T.warpgroup_fence_operand(DK, num_regs=C * K // profile.grads_threads)
                         T.sync_threads()  # dO, dU and U's tile are read for the last time
+                        for i in T.Parallel(C):
+                            if i < valid:
+                                dbeta[t0 + i, ih] = db_s[i, 0] + db_s[i, 1]
                         n_ok, n_slot, n_t0, n_ih = next_vhead(hg, slot, t0, ih, item + blocks, next_t0, next_valid)
                         if n_ok:
                             if hg + 1 == GROUPS:  # q and k are read for the last time too

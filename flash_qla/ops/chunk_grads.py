@@ -120,9 +120,10 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     C = profile.chunk
     GROUPS = Hv // Hqk
     assert K % C == 0, "⟨S, dS'⟩ folds K rows onto C"
-    assert C % 32 == 0, "the last token's totals: C // 32 elements a lane"
     assert K == V, "dq and dk are staged in v_new's tile"
-    assert C == 64, "a wgmma accumulator's rows: 4 warps of 16 (the column sums' four parts)"
+    # a wgmma accumulator's rows are 4 warps of 16 (the column sums' four parts), and warp 0 holds
+    # dγ's rows as two halves of 32 (the scan and the last token's totals)
+    assert C == 64, "chunk_grads is written for chunks of 64 tokens"
     accum = "float32"
     # Reductions over a wgmma accumulator, whose threads hold 2 of their warp's 16 rows and 2 of
     # every 8 columns: the warpgroups split the columns, the 4 warps of a warpgroup its 64 rows.

@@ -59,8 +59,10 @@ def _forward(
     o : [1, T, Hv, V], dtype of q.
     h : [NT, Hv, K, V] float32, state at the start of each chunk; None unless output_h.
     final_state : [N, Hv, K, V] float32; None unless output_final_state.
-    checkpoints : for _backward (flash_qla.ops.forward.keeps_checkpoints), or None: always
-        None unless training with auto_cp, and on the PyTorch path.
+    checkpoints : for _backward, or None: always None unless training with auto_cp, and on the
+        PyTorch path. The state every profile.checkpoint_chunks chunks by checkpoint row
+        (flash_qla.ops.forward.keeps_checkpoints, checkpoint_rows) or, when the walk split (maps
+        given), every piece's start state in the pieces' order (flash_qla.ops.context_parallel).
     maps : for _backward, or None: when a training forward walked its sequence in pieces, the
         pieces' maps (flash_qla.ops.context_parallel), which the backward walk's split reuses.
     chunk_terms : for _backward, or None: when training on the GPU, kkt_solve's P, γ and gates

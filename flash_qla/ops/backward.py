@@ -30,6 +30,10 @@ Reads like flash_qla/reference/backward_stages.py:
      blocks otherwise. The states are the same either way (each piece starts from the fp32
      state the forward walk had there, and walks the same arithmetic). Training step, H200:
      16/32 1x32768 4.05 -> 3.78 ms, 2/8 1x32768 2.24 -> 1.81 (benchmark/NOTES.md v11).
+     A forward that split walked the same pieces and hands their start states over in the
+     pieces' order, read as they are (they were copied into the checkpoint rows there and
+     gathered back here, ~0.1 ms of copies at 16/32 1x32768: training step 3.176 -> 3.136 ms,
+     4/16 1x32768 1.626 -> 1.610, gradients bitwise equal; benchmark/NOTES.md v28).
      It runs on a second stream beside step 3, which does not read the states: where few
      heads leave SMs idle, each walk runs in the other's idle SMs (results bitwise the same).
      H200, one stream -> two (benchmark/NOTES.md v19): low-level backward 2/8 1x32768 1.185
@@ -162,7 +166,12 @@ def _backward_kernels(
         beside = side_stream(q.device)
         beside.wait_stream(main)
         with torch.cuda.stream(beside):
-            h0 = checkpoints.index_select(0, rows) if checkpoints is not None else initial_state
+            if checkpoints is None:
+                h0 = initial_state
+            elif maps is not None:  # a forward that split: its pieces' start states, in the pieces' order
+                h0 = checkpoints
+            else:  # kept by chunk (flash_qla.ops.forward.checkpoint_rows)
+                h0 = checkpoints.index_select(0, rows)
             # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
             executable(fused)(
                 q, k, v, walk_gate(BV_h, gamma, gates), A, P, walks, firsts,

@@ -45,7 +45,7 @@ within 1.3e-3 of the whole walk's. H200 (benchmark/NOTES.md v14): the low-level 
 import torch
 
 from flash_qla.ops import buffers
-from flash_qla.ops.chunks import checkpoint_pieces, count_pieces, first_pieces
+from flash_qla.ops.chunks import checkpoint_pieces, first_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.launch import executable
 
@@ -88,16 +88,15 @@ def split_walk(
     takes them; cu_seqlens [N + 1] and the lengths it holds (host ints); initial_state
     [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None.
 
-    Returns o [T, Hv, V], final_state [N, Hv, K, V] and (starts [pieces, Hv, K, V], rows
-    [pieces]): each non-empty piece's start state and its row in a forward's checkpoint buffer
-    (flash_qla.ops.forward.checkpoint_rows), which the start states are.
+    Returns o [T, Hv, V], final_state [N, Hv, K, V] and starts [n, Hv, K, V]: every piece's start
+    state, in checkpoint_pieces' order (a training backward's recompute walks the same pieces from
+    them; the rows past the last non-empty piece are not written).
     """
     _, Hv, V = v.shape
     K = q.shape[-1]
     C, E = profile.chunk, profile.checkpoint_chunks
-    bounds, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, E)
+    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, C, slots, E)
     seq_pieces = first_pieces(cu_seqlens, C, slots, E)
-    pieces = count_pieces(seqlens, C, E)
     n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
     f32 = torch.float32
     placeholder = buffers.placeholder(v.device, Hv, K, V)
@@ -114,7 +113,7 @@ def split_walk(
     walk(q, k, v, walk_gate, A, P, bounds, firsts, starts, o, ends, placeholder if h is None else h, scale)
     # each sequence's last piece ends at its final state
     final_state = _per_sequence(ends, (seq_pieces[1:] - 1).clamp_(min=0), seq_pieces, seqlens, initial_state)
-    return o, final_state, (starts[:pieces], rows[:pieces])
+    return o, final_state, starts
 
 
 def split_backward_walk(

@@ -265,10 +265,10 @@ def _forward_kernels(
     h0 = initial_state.contiguous() if initial_state is not None else None
     split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
     # kept for a backward that recomputes the states, where they pay, and always when the walk split
-    # (free then); none when every state is kept
+    # (free then: the pieces' start states); none when every state is kept
     checkpoints = None
     maps = None
-    if training and auto_cp and not keep_states and (split or keeps_checkpoints(seqlens, Hv, V, profile)):
+    if training and auto_cp and not split and not keep_states and keeps_checkpoints(seqlens, Hv, V, profile):
         checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), f32, q)
 
     if split:  # pieces: the start states are the checkpoints
@@ -281,14 +281,14 @@ def _forward_kernels(
         offsets = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True)
         maps_gate = walk_gate(BV_maps, gamma, gates)
         D = maps_of_pieces(executable(map_walk), maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, profile)
-        o, final_state, (starts, rows) = split_walk(
+        o, final_state, starts = split_walk(
             executable(walk), walk_gate(BV, gamma, gates), D, executable(offsets), maps_gate,
             q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, profile,
         )  # fmt: skip
-        if checkpoints is not None:
-            checkpoints.index_copy_(0, rows, starts)
-        if training:
-            maps = D  # the backward walk splits the same pieces (flash_qla.ops.backward)
+        if training:  # the backward walk and state recompute split the same pieces (flash_qla.ops.backward)
+            maps = D
+            if not keep_states:
+                checkpoints = starts
     else:
         if checkpoints is not None:  # the rows of the sequences' initial states
             first_rows = checkpoints[checkpoints.shape[0] - N:]

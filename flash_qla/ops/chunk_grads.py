@@ -72,7 +72,9 @@ of dq and dk (dO Sᵀ, dU Sᵀ, v_new dS'ᵀ), which also give dγ's e^γ ⊙ ro
 dU ⊙ K S) as e^γ ⊙ rowsum(scale (dO Sᵀ) ⊙ Q − (dU Sᵀ) ⊙ K) (no Q S product: C K V multiply-adds
 less a v-head); then the [C, C] products (dP, dN, Q Kᵀ, K Kᵀ in one batch; Q Kᵀ and K Kᵀ are
 formed per v-head, not kept through it: their 32 registers a thread are what lets ptxas keep
-everything else in registers), N v_new accumulated onto U (W), Pᵀ dO − Nᵀ dU, and the reductions.
+everything else in registers; Γ's exponentials are formed while the four run: training step 16/32
+8x4096 2.420 -> 2.411 ms, 2/8 0.675 -> 0.673, gradients bitwise equal, benchmark/NOTES.md v29), N
+v_new accumulated onto U (W), Pᵀ dO − Nᵀ dU, and the reductions.
 dq and dk are staged in v_new's tile, one after the other, for whole-row 16-byte stores (from the
 accumulators a store writes 4 bytes of a row).
 The four [C, C] terms of dq and dk are issued without a wait before dβ and dγ, whose
@@ -355,11 +357,11 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         T.wgmma_gemm(du_s, vn_s, DN, transpose_B=True, clear_accum=True)
                         T.wgmma_gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
                         T.wgmma_gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(C, C):  # under the products
+                            G[i, j] = T.if_then_else(j <= i and i < valid, T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
                         T.wait_wgmma(0)
                         for acc in (DP, DN, QK, KK):
                             T.warpgroup_fence_operand(acc, num_regs=C * C // profile.grads_threads)
-                        for i, j in T.Parallel(C, C):
-                            G[i, j] = T.if_then_else(j <= i and i < valid, T.exp2((gc_s[i] - gc_s[j]) * LOG2E), 0.0)
                         # the [C, C] operands stored from the loop that forms them (a T.copy each, by
                         # stmatrix, took a block-wide barrier each), R's sums, then one barrier for both
                         for i, j in T.Parallel(C, C):

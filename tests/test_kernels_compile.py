@@ -5,7 +5,8 @@ the tensor-core products (SM90; with register A operands in the wide walks), TMA
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
 γ is summed) and for chunk_grads' tiles (they arrive under the first products), mma.sync in
 tf32 for kkt_solve's inverse's merges, and chunk_grads' batched reductions; that each block's
-shared memory fits the SM; and that the kernels with large register tiles keep nothing in local
+shared memory fits the SM; that no kernel touches global memory before its programmatic-launch
+wait; and that the kernels with large register tiles keep nothing in local
 memory (ptxas, through nvcc).
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 """
@@ -135,7 +136,7 @@ def test_kept_states_are_stored_as_the_recompute_stores_them(factory, BV):
 
     def h_store(source):
         signature = source[source.index("__global__"):].split("{")[0]
-        return "h_desc" in source, set(re.findall(r"(\w+)\* __restrict__ h\b", signature))
+        return "h_desc" in source, set(re.findall(r"(\w+)\* (?:__restrict__ )?h\b", signature))
 
     keep = factory(16, 32, 128, 128, BV, "bfloat16", SM90, True, True, False, False, False, True).get_kernel_source()
     recompute = factory(16, 32, 128, 128, BV, "bfloat16", SM90, True, True, True).get_kernel_source()
@@ -215,6 +216,33 @@ def test_kernel_fits_shared_memory(name, factory, args, instructions):
     assert launch_args, f"{name}: no kernel launch found in the host code"
     assert 0 < max(launch_args) <= SM90.max_shared_memory, f"{name}: {max(launch_args)} bytes of shared memory"
 
+
+# kernel pointer parameters (TMA descriptors are kernel parameters, not memory another kernel writes)
+POINTER_PARAM = re.compile(r"\b(?:const )?\w+\* (?:__restrict__ )?(\w+)[,)]")
+# the narrow walks start without follow_previous_kernel (flash_qla.ops.fused_fwd says why)
+WITHOUT_EARLY_LAUNCH = (fused_fwd_kernel, fused_bwd_kernel)
+
+
+@pytest.mark.parametrize("name,factory,args,instructions", KERNELS, ids=[k[0] for k in KERNELS])
+def test_kernel_waits_for_the_previous_one_before_touching_memory(name, factory, args, instructions):
+    """Programmatic dependent launch (flash_qla.ops.launch): a kernel may start while the previous one
+    on the stream still runs, so no global load, store or copy of it may come before its grid-dependency
+    wait; and it lets the next kernel launch early. The narrow walks do neither."""
+    source = factory(*args).get_kernel_source()
+    definition = source.rindex('extern "C" __global__')
+    body = source.index("{", definition)
+    if factory in WITHOUT_EARLY_LAUNCH:
+        assert "cudaGridDependencySynchronize" not in source and "cudaTriggerProgrammatic" not in source
+        return
+    wait = source.index("cudaGridDependencySynchronize();", body)
+    assert "cudaTriggerProgrammaticLaunchCompletion();" in source[wait:]
+    before = source[body:wait]
+    pointers = POINTER_PARAM.findall(source[definition:body])
+    assert pointers, f"{name}: no pointer parameters found"
+    touched = [p for p in pointers if re.search(rf"\b{p}\[", before)]
+    assert not touched, f"{name}: {touched} accessed before the wait"
+    for copy in ("tma_load", "tma_store", "cp_async", "tl::ld", "tl::st"):
+        assert copy not in before, f"{name}: {copy} before the wait"
 
 def test_chunk_grads_barriers():
     """chunk_grads' reductions stay inside a warp (no exchange between warps through shared memory,

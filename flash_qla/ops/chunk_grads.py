@@ -112,6 +112,7 @@ import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
+from flash_qla.ops.launch import follow_previous_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -205,6 +206,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
         blocks: T.int32,
     ):
         with T.Kernel(blocks, threads=profile.grads_threads) as bid:
+            follow_previous_kernel()
             q_s = T.alloc_shared([C, K], dtype)
             k_s = T.alloc_shared([C, K], dtype)
             do_s = T.alloc_shared([C, V], dtype)  # dO

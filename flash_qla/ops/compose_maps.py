@@ -44,6 +44,7 @@ import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
+from flash_qla.ops.launch import follow_previous_kernel
 
 BV = 32  # V-tile width: 4 blocks a head at V = 128
 
@@ -68,6 +69,7 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
         starts: T.Tensor([pieces, Hv, K, V], f32),
     ):
         with T.Kernel(V // BV, Hv, n_seqs, threads=profile.threads) as (iv, ih, n):
+            follow_previous_kernel()
             v0 = iv * BV
             first = first_pieces[n]
             count = first_pieces[n + 1] - first

@@ -32,17 +32,17 @@ Outputs:
     (ENDS_ONLY: dh0 alone, each sequence's dS at its start: the context-parallel backward's
     offsets, flash_qla.ops.context_parallel)
 
-Schedule: as fused_fwd, grid (V / BV, Hv, N), one block walks its sequence's chunks in
-reverse (the launcher runs this form for V-tiles of 32 and 16 columns; tiles of 64 and 128
-run fused_bwd_wide, the same walk transposed); T.Pipelined streams the tiles of the next
-(earlier) chunks through a TMA ring and TileLang warp-specializes a producer warpgroup and
-one wgmma consumer warpgroup. dS stays in fp32 registers and is staged to shared memory in
-the input dtype once per chunk as the operand of K dS'. The products that do not wait on each other run in flight together: K
-dS', Pᵀ dO and Qᵀ dO (into the decayed dS), then Aᵀ dv_new, then Kᵀ dv; three waits per
-chunk instead of five. The consumer reads the dO tile into registers (which also frees its
-ring slot) before storing its two scaled copies: read from shared memory element by element,
-each load waited behind the previous element's stores, which the compiler may not reorder
-(the walk 0.734 -> 0.659 ms at 16/32 8x4096, outputs bitwise equal; benchmark/NOTES.md v9).
+Schedule: as fused_fwd, grid (V / BV, Hv, N), one block walks its sequence's chunks in reverse
+(the launcher runs this form for V-tiles of 32 and 16 columns; tiles of 64 and 128 run
+fused_bwd_wide, the same walk transposed; like fused_fwd, it starts without `follow_previous_kernel`);
+T.Pipelined streams the tiles of the coming chunks through a TMA ring, and TileLang
+warp-specializes a producer warpgroup and one wgmma consumer warpgroup. dS stays in fp32
+registers and is staged to shared memory in the input dtype once per chunk as the operand of K
+dS'. The products that do not wait on each other run in flight together: K dS', Pᵀ dO and Qᵀ dO
+(into the decayed dS), then Aᵀ dv_new, then Kᵀ dv; three waits per chunk, not five. The consumer
+reads the dO tile into registers (which frees its ring slot) before storing its two scaled copies:
+read from shared memory element by element, each load waited behind the previous element's stores,
+which the compiler may not reorder (the walk 0.734 -> 0.659 ms at 16/32 8x4096; NOTES.md v9).
 """
 
 import functools

@@ -31,17 +31,17 @@ Inputs (packed varlen, T tokens in all; `cu_seqlens` [N+1] int32):
 Outputs:
     o        [T, Hv, V]    input dtype
     ht       [N, Hv, K, V] fp32 final state
-    h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H;
-                           in the input dtype with KEEP_H, and with STATES_ONLY, where o is
-                           not written); with
-                           CHECKPOINT the checkpoint buffer (forward.checkpoint_rows): row m
-                           the state at the start of global chunk m E, E =
-                           profile.checkpoint_chunks, where that chunk is not a sequence's first
+    h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H; in the
+                           input dtype with KEEP_H, and with STATES_ONLY, where o is not written);
+                           with CHECKPOINT the checkpoint buffer (forward.checkpoint_rows): row m
+                           the state at the start of global chunk m E, E = profile.checkpoint_chunks,
+                           where that chunk is not a sequence's first
 
 Schedule: grid (V / BV, Hv, N), one block walks its sequence's chunks in order. The
 launcher runs this form for V-tiles of 32 and 16 columns: tiles of 64 and 128 run
 fused_fwd_wide, the same walk transposed (its products read the chain's operands from
-registers; at BV = 64, 0.8 of this kernel's time, benchmark/NOTES.md v10).
+registers; at BV = 64, 0.8 of this kernel's time, benchmark/NOTES.md v10). It starts without
+`follow_previous_kernel` (flash_qla.ops.launch: launched early it ran slower; NOTES.md v30).
 T.Pipelined streams the q/k/v/A/P/γ tiles of the next chunks through a `num_stages`-deep
 shared-memory ring with TMA; on SM90 TileLang splits the block into a producer
 warpgroup (TMA issue, mbarrier waits) and one consumer warpgroup (`profile.fused_threads`)

@@ -51,6 +51,7 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
+from flash_qla.ops.launch import follow_previous_kernel
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
     STAGE_PAD,
@@ -124,6 +125,7 @@ def fused_fwd_wide_kernel(
         scale: T.float32,
     ):
         with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
+            follow_previous_kernel()
             ihk = ih // GROUPS
             v0 = iv * BV
             tx = T.get_thread_binding()

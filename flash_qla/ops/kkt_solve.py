@@ -82,6 +82,7 @@ import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
+from flash_qla.ops.launch import follow_previous_kernel
 
 LOG2E = 1.4426950408889634
 DIAG = 8  # diagonal blocks inverted by forward substitution
@@ -207,6 +208,7 @@ def kkt_solve_kernel(
         slots: T.int32,
     ):
         with T.Kernel(Hv, slots, threads=THREADS) as (ih, slot):
+            follow_previous_kernel()
             ihk = ih // GROUPS
             tx = T.get_thread_binding()
             T.annotate_min_blocks_per_sm(profile.kkt_blocks_per_sm)

@@ -1,4 +1,4 @@
-"""Calling a compiled TileLang kernel with the least host work.
+"""Launching the compiled TileLang kernels: the least host work, and the next kernel's start early.
 
 A JITKernel's `__call__` goes through TileLang's torch adapter, which rebuilds the argument
 list and looks for outputs to allocate on every launch. Our kernels allocate nothing (every
@@ -11,6 +11,7 @@ checks (dtype, shape, device, contiguity), 2-4 µs sooner per launch on the H200
 import contextlib
 import functools
 
+import tilelang.language as T
 import torch
 
 _NOTHING = contextlib.nullcontext()
@@ -27,3 +28,23 @@ def executable(kernel):
     """The TVM-FFI callable of a compiled kernel: executable(kernel)(*args) == kernel(*args)."""
     assert not kernel.adapter.result_idx, "kernels of this library take every output as an argument"
     return kernel.adapter.get_exportable_executable()
+
+
+@T.macro
+def follow_previous_kernel():
+    """The first statement of the kernels here (all but the narrow walks): programmatic dependent launch.
+
+    `griddepcontrol.wait` (SM90 and later) holds every thread until the previous kernel on the
+    stream has finished and its writes are visible, so nothing in a kernel reads or writes
+    global memory before it; TileLang places it after the block's setup (barrier init, TMA
+    descriptor prefetch) and launches a kernel that has it with the programmatic-stream-
+    serialization attribute, so that setup and the launch itself overlap the previous kernel's
+    last blocks. `griddepcontrol.launch_dependents` right after lets the next such kernel launch
+    once every block of this one has started: its blocks take the SMs this one's last wave
+    leaves idle and wait there. A kernel launched after anything else (a torch op, an event
+    wait, another stream's work) starts as it would without these. H200: forward 2/8 8x4096
+    1.3 % faster, its training step 0.7 % (benchmark/NOTES.md v30). The narrow walks (fused_fwd,
+    fused_bwd) start without it: launched early, the forward walk of 16/32 1x32768 ran 4 % slower.
+    """
+    T.pdl_sync()
+    T.pdl_trigger()

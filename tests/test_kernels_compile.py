@@ -239,10 +239,11 @@ def test_kernel_waits_for_the_previous_one_before_touching_memory(name, factory,
     before = source[body:wait]
     pointers = POINTER_PARAM.findall(source[definition:body])
     assert pointers, f"{name}: no pointer parameters found"
-    touched = [p for p in pointers if re.search(rf"\b{p}\[", before)]
+    touched = [p for p in pointers if re.search(rf"\b{p}\s*[\[+]", before)]  # p[i] or *(vector*)(p + i)
     assert not touched, f"{name}: {touched} accessed before the wait"
     for copy in ("tma_load", "tma_store", "cp_async", "tl::ld", "tl::st"):
         assert copy not in before, f"{name}: {copy} before the wait"
+
 
 def test_chunk_grads_barriers():
     """chunk_grads' reductions stay inside a warp (no exchange between warps through shared memory,

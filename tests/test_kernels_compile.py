@@ -4,7 +4,8 @@ Checks the generated CUDA source for the instructions the schedule is built on: 
 the tensor-core products (SM90; with register A operands in the wide walks), TMA loads for
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
 γ is summed) and for chunk_grads' tiles (they arrive under the first products), mma.sync in
-tf32 for kkt_solve's inverse's merges, and chunk_grads' batched reductions; that each block's
+tf32 for kkt_solve's inverse's merges, stmatrix.trans for the 64-column forward walk's o staging,
+and chunk_grads' batched reductions; that each block's
 shared memory fits the SM; that no kernel touches global memory before its programmatic-launch
 wait; and that the kernels with large register tiles keep nothing in local
 memory (ptxas, through nvcc).
@@ -47,7 +48,7 @@ KERNELS = [
     ("fused_fwd_bv16", fused_fwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, False, False), ("wgmma", "tma_load")),
     ("fused_bwd_bv16_dht", fused_bwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, True, False), ("wgmma", "tma_load")),
     # V-tiles of 64 and 128: the state transposed, every chain operand read by wgmma from registers
-    ("fused_fwd_wide_bv64_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
+    ("fused_fwd_wide_bv64_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load", "stmatrix.sync.aligned.x4.trans")),
     ("fused_bwd_wide_bv64_dht", fused_bwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, True, False), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_fp16", fused_fwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),

@@ -31,7 +31,8 @@ Schedule: grid (V / BV, Hv, N); TileLang's warp specialization: a producer warpg
 the tiles through a `num_stages`-deep TMA ring, BV / 64 consumer warpgroups (every product
 splits its M = BV rows over them, `FullRow`). Per chunk the S chain is three dependent
 products (Sᵀ Kᵀ, Uᵀ Aᵀ, v_newᵀ K); Sᵀ Qᵀ and v_newᵀ Pᵀ are issued next to them, and
-under the first pair the consumers store the previous chunk's o and read the gate factors.
+under the first pair the consumers store the previous chunk's o and read the gate factors
+(o is staged transposed by stmatrix at BV = 64, by 2-byte stores at 128: staging.row_store).
 The gate factors scale columns here (tokens are the N side): each thread keeps e^γ and
 e^{γ_L − γ} of the 16 columns its accumulator fragments hold, read from the ring's copy of
 kkt_solve's `gates` (computed here, they were 32 exponentials a thread per chunk, 64x the

@@ -7,7 +7,13 @@ only its own 64 columns, between named barriers of its own 128 threads: the walk
 never wait for each other.
 - `row_store` writes such a tile to x[t0 : t0 + valid, ih, v0 : v0 + BV] through a staging
   tile [C, BV + STAGE_PAD], so that global stores are whole 16-byte row pieces (a chunk's rows
-  past `valid` belong to the next sequence: no TMA box can stop there).
+  past `valid` belong to the next sequence: no TMA box can stop there). At one warpgroup
+  (BV = 64) a 16-bit tile (o) is staged by stmatrix.x4.trans, four instructions a thread where
+  2-byte stores took 32 and 16 byte permutes (ncu put a third of the wide walks' consumer stall
+  samples in these stagings): forward 2/8 8x4096 0.1597 -> 0.1568 ms, outputs bitwise equal. At
+  two warpgroups (BV = 128) the same made the forward slower (16/32 8x4096 0.530 -> 0.555 ms;
+  why was not found), so there, and for fp32 tiles (dv), the 2-byte stores stay
+  (benchmark/NOTES.md v31 step 6).
 - `state_store` writes a state Sᵀ (the recompute's S, the training forward's kept S, the
   backward walk's dS') to h[c, ih, :, v0 : v0 + BV] by TMA: each warpgroup stages its [K, 64]
   block in a swizzled tile (`alloc_state_stage`) and one of its threads issues the bulk store,
@@ -21,26 +27,60 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
-# elements of padding per row of a staging tile: a warp's transposed 2-byte stores touch 4 rows
-# (2 apart) at once; padded rows start 8 banks apart, so the stores are conflict-free
+# elements of padding per row of a staging tile: rows 144 or 272 bytes apart (BV = 64, 128) start
+# 4 banks apart, so the 8 rows of 16 bytes of each matrix that stmatrix writes fill the 32 banks
+# once, and a warp's 2-byte transposed stores (4 rows, 2 apart, at once) are conflict-free
 STAGE_PAD = 8
 # first named barrier id of the staging, one per consumer warpgroup (TileLang's own use ids < 4)
 STAGE_BARRIER = 4
 
 
+# stmatrix.x4.trans of the four 32-bit words regs[first : first + 4] (pairs of 16-bit values) of a thread's local
+# array: TileLang's fragment copies emit stmatrix only into a tile of the fragment's own orientation, and a fragment
+# element read outside T.Parallel counts as replicated, so the transposed store goes through this function, which
+# takes the fragment's local array itself (guarded: a kernel may stage more than once)
+STSM_X4_TRANS = """
+#ifndef FLASH_QLA_STSM_X4_TRANS
+#define FLASH_QLA_STSM_X4_TRANS
+__device__ __forceinline__ void flash_qla_stsm_x4_trans(void* smem, const void* regs, int first) {
+  const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
+  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
+               :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
+#endif
+"""
+
+
 def stage_transposed(BV: int, R: int):
     """The macro stage_transposed(Xt, x_s, tx): x_s[:, this warpgroup's 64 columns] = Xtᵀ.
 
-    Xt [BV, R] fragment, x_s [R, BV + STAGE_PAD] shared; between named barriers of the
-    warpgroup's own 128 threads (the first: its reads of the last staged tile are done).
+    Xt [BV, R] fragment in a wgmma accumulator's layout, x_s [R, BV + STAGE_PAD] shared; between
+    named barriers of the warpgroup's own 128 threads (the first: its reads of the last staged tile
+    are done). At BV = 64 a 16-bit Xt is stored by stmatrix.x4.trans, four instructions a thread for
+    R = 64: in lane l of warp w, element 4k + 2h + e of the local array is Xt[16 w + 8 h + l / 4,
+    8 k + 2 (l % 4) + e], so 32-bit word 4n + q is 8 x 8 matrix q of instruction n (tokens 8 k..,
+    k = 2 n + q / 2; columns 16 w + 8 h.., h = q % 2), whose row l % 8 lane l addresses when
+    l / 8 = q. Otherwise (two warpgroups, or an fp32 Xt: the backward's dv) Xt is rounded and
+    stored element by element (2-byte stores); the module docstring says why.
     """
 
     @T.macro
     def stage(Xt, x_s, tx):
         wg = tx // 128
         T.sync_threads(STAGE_BARRIER + wg, 128)
-        for j, i in T.Parallel(BV, R):
-            x_s[i, j] = Xt[j, i]
+        if BV == ROWS_PER_WARPGROUP and Xt.dtype in ("bfloat16", "float16"):
+            warp = tx // 32
+            lane = tx % 32
+            T.import_source(STSM_X4_TRANS)
+            for n in T.unroll(R // 16):
+                row = 8 * (2 * n + lane // 16) + lane % 8
+                col = 16 * warp + 8 * (lane // 8 % 2)
+                T.call_extern(
+                    "handle", "flash_qla_stsm_x4_trans", T.access_ptr(x_s[row, col], "w", 8), Xt.data, 4 * n
+                )
+        else:
+            for j, i in T.Parallel(BV, R):
+                x_s[i, j] = Xt[j, i]
         T.sync_threads(STAGE_BARRIER + wg, 128)
 
     return stage

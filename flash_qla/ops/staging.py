@@ -63,6 +63,7 @@ def stage_transposed(BV: int, R: int):
     l / 8 = q. Otherwise (two warpgroups, or an fp32 Xt: the backward's dv) Xt is rounded and
     stored element by element (2-byte stores); the module docstring says why.
     """
+    assert R % 16 == 0, "each stmatrix.x4 stages 16 rows (two 8 x 8 matrices of tokens a column pair)"
 
     @T.macro
     def stage(Xt, x_s, tx):

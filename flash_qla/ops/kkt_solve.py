@@ -10,7 +10,10 @@ v-head h, with β = beta, γ = cumsum(g) over the chunk (fp32) and Γ_ij = e^{γ
 
 P is what the fused forward multiplies v_new with; computing it here, once per chunk,
 keeps a [C, C] x [C, K] product and C² exponentials out of the sequential kernel (where
-they would run once per V-tile).
+they would run once per V-tile). Measured on the H200 (benchmark/NOTES.md v33): P is a
+quarter of this kernel's time (2/8 8x4096 64.9 -> 49.3 µs without it, 16/32 247 -> 184),
+while formed in the 64-column forward walk (o bitwise equal) it made the walk 93 -> 157 µs:
+its exponentials and staging land on the walk's one dependent chain.
 
 Inputs (packed varlen, T tokens in all):
     q, k    [T, Hqk, K]  input dtype; v-head h reads qk-head h // (Hv // Hqk)

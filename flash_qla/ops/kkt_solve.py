@@ -13,7 +13,9 @@ keeps a [C, C] x [C, K] product and C² exponentials out of the sequential kerne
 they would run once per V-tile). Measured on the H200 (benchmark/NOTES.md v33): P is a
 quarter of this kernel's time (2/8 8x4096 64.9 -> 49.3 µs without it, 16/32 247 -> 184),
 while formed in the 64-column forward walk (o bitwise equal) it made the walk 93 -> 157 µs:
-its exponentials and staging land on the walk's one dependent chain.
+its exponentials and staging land on the walk's one dependent chain. Formed by a warpgroup
+of its own beside the chain (a hand-specialized prototype) the forward went 157 -> 151 µs,
+the P warps' element-wise work still taking issue slots from the chain's.
 
 Inputs (packed varlen, T tokens in all):
     q, k    [T, Hqk, K]  input dtype; v-head h reads qk-head h // (Hv // Hqk)

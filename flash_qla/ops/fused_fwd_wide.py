@@ -33,6 +33,10 @@ splits its M = BV rows over them, `FullRow`). Per chunk the S chain is three dep
 products (Sᵀ Kᵀ, Uᵀ Aᵀ, v_newᵀ K); Sᵀ Qᵀ and v_newᵀ Pᵀ are issued next to them, and
 under the first pair the consumers store the previous chunk's o and read the gate factors
 (o is staged transposed by stmatrix at BV = 64, by 2-byte stores at 128: staging.row_store).
+That O path is a third of the walk at BV = 64 (2/8 8x4096: 93 µs, the chain without it 57-60), and
+it costs the chain through the SM they share, not by sitting on the chain: on a warpgroup of its
+own in a hand-specialized prototype (o bitwise equal) the walk took 88 µs, its products, stores and
+the chain's staging of Sᵀ and v_newᵀ for it still taking ~30 µs (benchmark/NOTES.md v34).
 The gate factors scale columns here (tokens are the N side): each thread keeps e^γ and
 e^{γ_L − γ} of the 16 columns its accumulator fragments hold, read from the ring's copy of
 kkt_solve's `gates` (computed here, they were 32 exponentials a thread per chunk, 64x the

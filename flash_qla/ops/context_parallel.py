@@ -65,6 +65,14 @@ def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, pro
     return D
 
 
+def _pieces(cu_seqlens, slots, profile):
+    """A split walk's tables: checkpoint_pieces' bounds and firsts, first_pieces' rows of each
+    sequence, and n, the pieces counted (an upper bound: the pieces past the last are empty)."""
+    C, E = profile.chunk, profile.checkpoint_chunks
+    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, C, slots, E)
+    return bounds, firsts, first_pieces(cu_seqlens, C, slots, E), bounds.numel() - 1
+
+
 def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
     """states[rows], one row per sequence; a zero-length sequence (no piece) gets `passthrough`
     (its initial state or dht; None: zeros) instead."""
@@ -94,10 +102,7 @@ def split_walk(
     """
     _, Hv, V = v.shape
     K = q.shape[-1]
-    C, E = profile.chunk, profile.checkpoint_chunks
-    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, C, slots, E)
-    seq_pieces = first_pieces(cu_seqlens, C, slots, E)
-    n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
+    bounds, firsts, seq_pieces, n = _pieces(cu_seqlens, slots, profile)
     f32 = torch.float32
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     b = buffers.new((n, Hv, K, V), f32, v)
@@ -132,10 +137,7 @@ def split_backward_walk(
     """
     _, Hv, V = dv.shape
     K = q.shape[-1]
-    C, E = profile.chunk, profile.checkpoint_chunks
-    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, C, slots, E)
-    seq_pieces = first_pieces(cu_seqlens, C, slots, E)
-    n = bounds.numel() - 1  # an upper bound: pieces past the last are empty
+    bounds, firsts, seq_pieces, n = _pieces(cu_seqlens, slots, profile)
     f32 = torch.float32
     placeholder = buffers.placeholder(dv.device, Hv, K, V)
     offsets = buffers.new((n, Hv, K, V), f32, dv)

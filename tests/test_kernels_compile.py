@@ -100,7 +100,7 @@ WGMMA_SERIALISED = re.compile(r"wgmma\.mma_async instructions are serialized|war
 
 
 @pytest.mark.parametrize("name", NO_LOCAL_MEMORY)
-def test_kernel_keeps_nothing_in_local_memory(name, tmp_path):
+def test_kernel_keeps_nothing_in_local_memory_and_wgmma_async(name, tmp_path):
     """ptxas gives the kernel no stack frame: values kept in local memory miss L1 beside the large
     shared-memory rings and wait on L2 (the wide backward walk kept 32 bytes there, reloaded every
     chunk; without them the backward at 16/32 8x4096 took 0.105 ms less, benchmark/NOTES.md v17).

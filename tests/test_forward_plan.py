@@ -17,6 +17,7 @@ from flash_qla.ops.forward import (
     kernel_unsupported_reason,
     keeps_checkpoints,
     splits_forward,
+    walk_plan,
 )
 from flash_qla.precompile import main as precompile_main
 
@@ -101,6 +102,24 @@ def test_checkpoints_kept_where_pieces_fill_the_gpu(seqlens, Hv, expected):
 )
 def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
     assert splits_forward(seqlens, Hv, 128, SM90) == expected
+
+
+@pytest.mark.parametrize(
+    "seqlens,Hv,training,output_h,expected",
+    [
+        ((4096,) * 8, 8, False, False, (False, 64, True)),  # 2/8 8x4096: o alone at 64 columns
+        ((4096,) * 8, 8, True, False, (False, 64, False)),  # training keeps kkt_solve's P for the backward
+        ((4096,) * 8, 8, False, True, (False, 64, False)),  # the low-level forward's h
+        ((4096,) * 8, 32, False, False, (False, 128, False)),
+        ((2048,), 32, False, False, (False, 32, False)),
+        ((32768,), 8, False, False, (True, None, False)),  # pieces
+    ],
+    ids=["2/8_8x4096", "training", "output_h", "16/32_8x4096", "16/32_1x2048", "split"],
+)
+def test_o_path_walk_only_for_o_alone_at_64_columns(seqlens, Hv, training, output_h, expected):
+    """fused_fwd_opath (with kkt_solve forming no P) runs where the walk over whole sequences takes
+    64 columns and only o and the final state are asked for."""
+    assert walk_plan(seqlens, Hv, 128, SM90, True, training, output_h) == expected
 
 
 @pytest.mark.parametrize(

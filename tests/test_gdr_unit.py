@@ -32,6 +32,11 @@ GATES_TOL = 1e-5
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_forward_matches_reference(case, poisoned):
+    forward_matches_reference(case)
+
+
+def forward_matches_reference(case):
+    """The public forward of case's inputs against the fp32 chunked reference (o, final state)."""
     x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
     scale = case.extra.get("scale")
     state_v_first = case.extra.get("state_v_first", False)
@@ -54,6 +59,24 @@ def test_forward_matches_reference(case, poisoned):
     print(case.id, {name: f"{err:.2e}" for name, err in errors.items()})
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert errors["o"] <= FWD_TOL and errors["final_state"] <= FWD_TOL, errors
+
+
+# inference forwards whose walk runs at 64 columns: fused_fwd_opath, P formed in the walk (CASES has more:
+# GVA 2, 3, 4 and 8, fp16, h0, zero-length and partial chunks)
+OPATH_CASES = [
+    Case("opath_gva1_h0", (700, 0, 1, 2000), heads=(16, 16), h0=True),
+    Case("opath_strong_gate_edges", (0, 1, 63, 64, 65, 0, 130, 3000), heads=(2, 8), gate="strong"),
+    Case("opath_fp16_4096x8", (4096,) * 8, heads=(2, 8), dtype=torch.float16, h0=True),
+]
+
+
+@pytest.mark.parametrize("case", OPATH_CASES, ids=[c.id for c in OPATH_CASES])
+def test_opath_forward_matches_reference(case, poisoned, monkeypatch):
+    from flash_qla.ops import forward as forward_module
+
+    walks = record_calls(monkeypatch, forward_module, "fused_fwd_opath_kernel")
+    forward_matches_reference(case)
+    assert walks, "the forward did not take fused_fwd_opath"
 
 
 LOW_LEVEL = [

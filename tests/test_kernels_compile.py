@@ -4,7 +4,8 @@ Checks the generated CUDA source for the instructions the schedule is built on: 
 the tensor-core products (SM90; with register A operands in the wide walks), TMA loads for
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
 γ is summed) and for chunk_grads' tiles (they arrive under the first products), mma.sync in
-tf32 for kkt_solve's inverse's merges, stmatrix.trans for the 64-column forward walk's o staging,
+tf32 for kkt_solve's inverse's merges, stmatrix.trans for the 64-column forward walk's o staging
+(stmatrix and a TMA store in the O-path walk's, with its warpgroups' registers set by setmaxnreg),
 and chunk_grads' batched reductions; that each block's
 shared memory fits the SM; that no kernel touches global memory before its programmatic-launch
 wait; and that the kernels with large register tiles keep nothing in local
@@ -26,6 +27,7 @@ from flash_qla.ops.forward import BLOCK_V_CHOICES, forward_kernel_builds, kept_s
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
+from flash_qla.ops.fused_fwd_opath import fused_fwd_opath_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 
@@ -75,6 +77,11 @@ KERNELS = [
     ("compose_maps_reverse_dht", compose_maps_kernel, (8, 128, 128, SM90, True, True), ("wgmma",)),
     # every tile by cp.async, waited for at its first use
     ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs")),
+    # an inference forward at 64 columns: kkt_solve without P (only K Kᵀ on wgmma), the walk with the O path on two
+    # warpgroups of its own (registers moved by setmaxnreg, o staged by stmatrix and stored by TMA)
+    ("kkt_solve_without_p", kkt_solve_kernel, (2, 8, 128, "bfloat16", SM90, "bfloat16", False, False), ("wgmma", "cp_async_gs", TF32_MMA)),
+    ("fused_fwd_opath", fused_fwd_opath_kernel, (2, 8, 128, 128, "bfloat16", SM90, False), ("wgmma_rs", "tma_load", "tma_store", "warpgroup_reg_alloc", "stmatrix.sync.aligned.x4.m8n8")),
+    ("fused_fwd_opath_fp16_h0", fused_fwd_opath_kernel, (4, 8, 128, 128, "float16", SM90, True), ("wgmma_rs", "tma_load", "tma_store")),
 ]
 
 
@@ -89,7 +96,8 @@ def test_kernel_compiles_for_sm90(name, factory, args, instructions):
 NO_LOCAL_MEMORY = (
     "kkt_solve", "fused_fwd_bv32_h0_h", "fused_fwd_bv16", "fused_bwd_bv32_dht_dh0", "fused_bwd_bv16_dht",
     "fused_fwd_wide_bv64_h0_h", "fused_fwd_wide_h0_h", "fused_fwd_wide_states_only", "fused_bwd_wide_bv64_dht",
-    "fused_bwd_wide_dht_dh0", "chunk_grads", "fused_fwd_keep_h", "fused_fwd_wide_keep_h",
+    "fused_bwd_wide_dht_dh0", "chunk_grads", "fused_fwd_keep_h", "fused_fwd_wide_keep_h", "kkt_solve_without_p",
+    "fused_fwd_opath",
 )  # fmt: skip
 
 
@@ -186,6 +194,20 @@ def test_fused_fwd_wide_chains_share_no_barrier(states_only):
     # before and after the staging: o's in and after the loop, h's in the loop
     assert len(barriers) == (2 if states_only else 4)
     assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
+
+
+def test_opath_walk_roles_meet_at_mbarriers_only():
+    """fused_fwd_opath's loads, chain and two O warpgroups hand tiles over by mbarriers: every named
+    barrier counts one warpgroup's threads (the O warpgroups' stagings and TileLang's own within a
+    role), and the only block-wide one follows the mbarriers' init. kkt_solve without P takes and
+    reads neither q nor P."""
+    source = fused_fwd_opath_kernel(2, 8, 128, 128, "bfloat16", SM90, False).get_kernel_source()
+    barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
+    assert barriers and all(b.endswith(", 128") for b in barriers), barriers
+    assert source.count("__syncthreads()") == 1
+    kkt = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", False, False).get_kernel_source()
+    signature = kkt[kkt.index("__global__"):].split("{")[0]
+    assert not re.search(r"\b[qP]\b", signature), signature
 
 
 @pytest.mark.parametrize("ends_only", [False, True])
@@ -305,12 +327,12 @@ def test_chunk_grads_barriers():
 def test_precompile_lists_every_forward_kernel():
     builds = forward_kernel_builds(SM90, 16, 32, "bfloat16")
     assert {f.__name__ for f, _ in builds} == {
-        "kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel", "compose_maps_kernel"
+        "kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel", "fused_fwd_opath_kernel", "compose_maps_kernel"
     }
-    # kkt_solve for β in q's dtype and in fp32; every V-tile width the launcher can choose,
-    # with and without h0 / h, and the two walks of a split walk's maps (M and b); the
-    # composition of the maps with and without an initial state
-    assert len(builds) == 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2) + 2
+    # kkt_solve for β in q's dtype and in fp32, with P and without it (the O-path walk's, with and
+    # without h0); every V-tile width the launcher can choose, with and without h0 / h, and the two
+    # walks of a split walk's maps (M and b); the composition of the maps with and without an initial state
+    assert len(builds) == 2 * 2 + 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2) + 2
     assert len(set(builds)) == len(builds)
 
 

@@ -3,7 +3,9 @@
 Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk over the
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
-for narrower ones. Long sequences over few heads walk in pieces instead (splits_forward,
+for narrower ones. An inference forward (o alone) whose walk runs at 64 columns takes
+fused_fwd_opath instead, which forms P itself (kkt_solve then skips it: 2/8 8x4096 157 -> 149
+µs on the H200, benchmark/NOTES.md v37). Long sequences over few heads walk in pieces instead (splits_forward,
 flash_qla.ops.context_parallel). A training forward may keep state
 checkpoints for the backward's recompute (keeps_checkpoints, flash_qla.ops.backward) or,
 asked to (keep_states), every state, so that the backward recomputes none.
@@ -21,6 +23,8 @@ from flash_qla.ops.chunks import chunk_offsets_of, chunk_table, count_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.context_parallel import maps_of_pieces, split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
+from flash_qla.ops.fused_fwd_opath import BV as OPATH_BLOCK_V
+from flash_qla.ops.fused_fwd_opath import fused_fwd_opath_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 from flash_qla.ops.launch import executable, on_device
@@ -178,6 +182,15 @@ def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
     return slots // profile.checkpoint_chunks + 1 + n_seqs
 
 
+def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, training: bool, output_h: bool):
+    """(split, BV, opath): whether the walk splits the sequences into pieces; else the V-tile width of
+    the walk over whole sequences, and whether that walk is fused_fwd_opath (o alone at 64 columns:
+    no training, no h), whose kkt_solve forms no P."""
+    split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
+    BV = None if split else walk_block_v(len(seqlens), Hv, V, profile)
+    return split, BV, BV == OPATH_BLOCK_V and not (training or output_h)
+
+
 def walk_kernel(BV: int):
     """The fused forward's kernel factory for V-tiles of BV columns.
 
@@ -242,17 +255,25 @@ def _forward_kernels(
 
     assert not (keep_states and (output_h or not training)), "states are kept for a training backward"
     assert not (scratch and (output_h or training)), "scratch holds what this call alone uses"
-    # kkt_solve's outputs: g_cum; γ again, chunk-major, for fused_fwd; e^γ and e^{γ_L − γ}, fused_fwd_wide's
-    # γ; A; P = Q Kᵀ ⊙ Γ ⊙ Lower
-    specs = (
-        ((T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((T, Hv, C), q.dtype), ((T, Hv, C), q.dtype)
-    )  # fmt: skip
+    split, BV, opath = walk_plan(seqlens, Hv, V, profile, auto_cp, training, output_h)
+    # kkt_solve's outputs: g_cum; γ again, chunk-major, for fused_fwd and fused_fwd_opath; e^γ and e^{γ_L − γ},
+    # fused_fwd_wide's and fused_fwd_opath's γ; A; P = Q Kᵀ ⊙ Γ ⊙ Lower (unless the walk forms it)
+    specs = ((T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((T, Hv, C), q.dtype)
+    if not opath:
+        specs += (((T, Hv, C), q.dtype),)
     if scratch:  # read by this call's walk alone
-        g_cum, gamma, gates, A, P = buffers.scratch(specs, q)
+        g_cum, gamma, gates, A, *P = buffers.scratch(specs, q)
     else:
-        g_cum, gamma, gates, A, P = (buffers.new(*spec, q) for spec in specs)
-    kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, DTYPE_NAMES.get(beta.dtype, "float32"))
-    executable(kkt)(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, slots)
+        g_cum, gamma, gates, A, *P = (buffers.new(*spec, q) for spec in specs)
+    beta_dtype = DTYPE_NAMES.get(beta.dtype, "float32")
+    if opath:
+        P = None
+        kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, beta_dtype, FORM_P=False)
+        executable(kkt)(k, g, beta, chunks, g_cum, gamma, gates, A, slots)
+    else:
+        (P,) = P
+        kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, beta_dtype)
+        executable(kkt)(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, slots)
     v = v.squeeze(0).contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
 
@@ -263,7 +284,6 @@ def _forward_kernels(
         h = buffers.new((slots, Hv, K, V), q.dtype, q)
     store_h = output_h or keep_states
     h0 = initial_state.contiguous() if initial_state is not None else None
-    split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
     # kept for a backward that recomputes the states, where they pay, and always when the walk split
     # (free then: the pieces' start states); none when every state is kept
     checkpoints = None
@@ -299,16 +319,22 @@ def _forward_kernels(
         placeholder = buffers.placeholder(device, Hv, K, V)
         o = buffers.new_like(v)
         final_state = buffers.new((N, Hv, K, V), f32, q)
-        BV = walk_block_v(N, Hv, V, profile)
-        keeps = checkpoints is not None
-        fused = walk_kernel(BV)(
-            Hqk, Hv, K, V, BV, dtype, profile, h0 is not None, store_h, False, keeps, KEEP_H=keep_states
-        )  # fmt: skip
-        states = h if store_h else checkpoints if keeps else placeholder
-        executable(fused)(
-            q, k, v, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
-            placeholder if h0 is None else h0, o, final_state, states, scale,
-        )  # fmt: skip
+        if opath:
+            walk = fused_fwd_opath_kernel(Hqk, Hv, K, V, dtype, profile, h0 is not None)
+            executable(walk)(
+                q, k, v, gates, A, gamma, cu_seqlens, chunk_offsets, placeholder if h0 is None else h0, o,
+                final_state, scale,
+            )  # fmt: skip
+        else:
+            keeps = checkpoints is not None
+            fused = walk_kernel(BV)(
+                Hqk, Hv, K, V, BV, dtype, profile, h0 is not None, store_h, False, keeps, KEEP_H=keep_states
+            )  # fmt: skip
+            states = h if store_h else checkpoints if keeps else placeholder
+            executable(fused)(
+                q, k, v, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
+                placeholder if h0 is None else h0, o, final_state, states, scale,
+            )  # fmt: skip
     return (
         None if scratch else g_cum[None],
         None if scratch else A[None],
@@ -326,6 +352,9 @@ def _forward_kernels(
 def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
     """Every (factory, args) the forward can compile for one head layout and dtype."""
     builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, beta_dtype)) for beta_dtype in (dtype, "float32")]
+    # an inference forward whose walk runs at 64 columns: kkt_solve without P, the O-path walk
+    builds += [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, bd, False, False)) for bd in (dtype, "float32")]
+    builds += [(fused_fwd_opath_kernel, (Hqk, Hv, K, V, dtype, profile, has_h0)) for has_h0 in (False, True)]
     for bv in BLOCK_V_CHOICES:
         for has_h0 in (False, True):
             for store_h in (False, True):

@@ -13,9 +13,10 @@ keeps a [C, C] x [C, K] product and C² exponentials out of the sequential kerne
 they would run once per V-tile). Measured on the H200 (benchmark/NOTES.md v33): P is a
 quarter of this kernel's time (2/8 8x4096 64.9 -> 49.3 µs without it, 16/32 247 -> 184),
 while formed in the 64-column forward walk (o bitwise equal) it made the walk 93 -> 157 µs:
-its exponentials and staging land on the walk's one dependent chain. Formed by a warpgroup
-of its own beside the chain (a hand-specialized prototype) the forward went 157 -> 151 µs,
-the P warps' element-wise work still taking issue slots from the chain's.
+its exponentials and staging land on the walk's one dependent chain. Formed beside the chain
+instead, on two warpgroups of their own taking alternate chunks (fused_fwd_opath), it costs
+that walk less than it saves here: an inference forward at 64 columns runs this kernel without
+P (FORM_P off: no q, no Q Kᵀ, no P), 2/8 8x4096 forward 157.6 -> 150.3 µs (v37).
 
 Inputs (packed varlen, T tokens in all):
     q, k    [T, Hqk, K]  input dtype; v-head h reads qk-head h // (Hv // Hqk)
@@ -27,12 +28,12 @@ Inputs (packed varlen, T tokens in all):
 Outputs:
     g_cum   [T, Hv]      fp32
     gamma   [Hv, slots, C] fp32, γ again, chunk-major (slot = global chunk index): the
-                         fused kernel loads a chunk's γ with one aligned TMA box
+                         fused kernels load a chunk's γ with one aligned TMA box
     gates   [Hv, slots, 2, C] fp32, e^γ and e^{γ_L − γ} (γ_L: the chunk's last valid token),
-                         0 past the chunk's end, for fused_fwd_wide (its threads hold 16
+                         0 past the chunk's end, for fused_fwd_wide and fused_fwd_opath (its threads hold 16
                          columns each: computing them there took 32 exponentials a thread)
-    A, P    [T, Hv, C]   input dtype; row t holds row (t − chunk start) of its chunk's
-                         matrix; columns past the row (and past the chunk's end) are 0
+    A, P    [T, Hv, C]   input dtype (P with FORM_P); row t holds row (t − chunk start) of its
+                         chunk's matrix; columns past the row (and past the chunk's end) are 0
 
 Schedule: grid (Hv, chunk slots), one warpgroup per block, `profile.kkt_blocks_per_sm`
 blocks resident per SM (a register cap for ptxas: blocks overlap each other's loads and
@@ -100,15 +101,25 @@ P_PAD = 8
 
 @functools.lru_cache(maxsize=None)
 def kkt_solve_kernel(
-    Hqk: int, Hv: int, K: int, dtype: str, profile: ArchProfile, beta_dtype: str = "float32", BACKWARD: bool = False
+    Hqk: int,
+    Hv: int,
+    K: int,
+    dtype: str,
+    profile: ArchProfile,
+    beta_dtype: str = "float32",
+    BACKWARD: bool = False,
+    FORM_P: bool = True,
 ):
     """Compile (or load from TileLang's cache) the kkt+solve stage for one static config.
 
     BACKWARD: g is already g_cum (the forward's output) and only gamma, gates and P are written:
     the low-level backward, given the forward's g_cum and A, needs P and chunk-major γ again (β is
     not read); a training backward takes the forward's own (flash_qla.ops.backward).
+    FORM_P off: no P (the kernel takes neither q nor P: arguments k, g, ..., A, slots), for
+    fused_fwd_opath, which forms P itself.
     """
     assert beta_dtype in (dtype, "float32") and not (BACKWARD and beta_dtype != "float32")
+    assert FORM_P or not BACKWARD, "the backward mode is there to form P"
     C = profile.chunk
     THREADS = profile.threads
     GROUPS = Hv // Hqk
@@ -198,28 +209,19 @@ def kkt_solve_kernel(
                 for j in T.unroll(2):
                     x_s[base + s + 16 * m + g + 8 * r, base + 8 * w + 2 * t + j] = -c[4 * m + 2 * r + j]
 
-    @T.prim_func
-    def kkt_solve(
-        q: T.Tensor([tokens, Hqk, K], dtype),
-        k: T.Tensor([tokens, Hqk, K], dtype),
-        g: T.Tensor([tokens, Hv], accum),
-        beta: T.Tensor([tokens, Hv], beta_dtype),
-        chunk_table: T.Tensor([n_slots, 2], "int32"),
-        g_cum: T.Tensor([tokens, Hv], accum),
-        gamma: T.Tensor([Hv, n_slots, C], accum),
-        gates: T.Tensor([Hv, n_slots, 2, C], accum),
-        A: T.Tensor([tokens, Hv, C], dtype),
-        P: T.Tensor([tokens, Hv, C], dtype),
-        slots: T.int32,
-    ):
+    @T.macro
+    def kkt_solve_body(q, k, g, beta, chunk_table, g_cum, gamma, gates, A, P, slots):
+        """The kernel; q and P are None when FORM_P is off."""
         with T.Kernel(Hv, slots, threads=THREADS) as (ih, slot):
             follow_previous_kernel()
             ihk = ih // GROUPS
             tx = T.get_thread_binding()
             T.annotate_min_blocks_per_sm(profile.kkt_blocks_per_sm)
-            q_s = T.alloc_shared([C, K], dtype)
+            if FORM_P:
+                q_s = T.alloc_shared([C, K], dtype)
             k_s = T.alloc_shared([C, K], dtype)
-            p_s = T.alloc_shared([C, C + P_PAD], dtype)  # P staged for its store, rows padded
+            if FORM_P:
+                p_s = T.alloc_shared([C, C + P_PAD], dtype)  # P staged for its store, rows padded
             gam_s = T.alloc_shared([C], accum)
             beta_s = T.alloc_shared([C], accum)
             # M (strictly lower), overwritten block by block with X = (I + M)⁻¹: each M block is
@@ -227,7 +229,8 @@ def kkt_solve_kernel(
             x_s = T.alloc_shared([C, C + PAD], accum)
             t_s = T.alloc_shared([C // 2, C // 2 + PAD], accum)  # M₂₁ X₁₁ of the merges
             KK = T.alloc_fragment([C, C], accum)
-            QK = T.alloc_fragment([C, C], accum)
+            if FORM_P:
+                QK = T.alloc_fragment([C, C], accum)
             xc = T.alloc_local([DIAG], accum)  # this lane's column of its diagonal block of X
             pair = T.alloc_local([2], accum)
             frag = T.alloc_local([6], accum)  # a k-block's A (4) and B (2) operands of a tile product
@@ -242,7 +245,8 @@ def kkt_solve_kernel(
             valid = chunk_table[slot, 1]
             if valid > 0:
                 # q and k arrive by cp.async while γ and β are loaded and γ is summed
-                T.async_copy(q[t0:t0 + C, ihk, :], q_s)
+                if FORM_P:
+                    T.async_copy(q[t0:t0 + C, ihk, :], q_s)
                 T.async_copy(k[t0:t0 + C, ihk, :], k_s)
                 for i in T.Parallel(C):
                     gam_s[i] = T.if_then_else(i < valid, g[t0 + i, ih], 0.0)
@@ -265,30 +269,36 @@ def kkt_solve_kernel(
                 # exponential per element (Γ_ij is the same factor in both), a second stores P and
                 # M: with no shared-memory store among its γ reads, the first pass's loads are free
                 # to run ahead
-                T.wgmma_gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
+                if FORM_P:
+                    T.wgmma_gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
                 if not BACKWARD:
                     T.wgmma_gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
                 T.wait_wgmma(0)
-                T.warpgroup_fence_operand(QK, num_regs=C * C // THREADS)
+                if FORM_P:
+                    T.warpgroup_fence_operand(QK, num_regs=C * C // THREADS)
                 if not BACKWARD:
                     T.warpgroup_fence_operand(KK, num_regs=C * C // THREADS)
                 for i, j in T.Parallel(C, C):
                     decay = T.exp2((gam_s[i] - gam_s[j]) * LOG2E)
-                    QK[i, j] = QK[i, j] * decay
+                    if FORM_P:
+                        QK[i, j] = QK[i, j] * decay
                     if not BACKWARD:
                         KK[i, j] = beta_s[i] * KK[i, j] * decay
                 # the masks in registers, then unconditional copies: two columns a thread in one store
                 for i, j in T.Parallel(C, C):
-                    QK[i, j] = T.if_then_else(j <= i, QK[i, j], 0.0)
+                    if FORM_P:
+                        QK[i, j] = T.if_then_else(j <= i, QK[i, j], 0.0)
                     if not BACKWARD:
                         KK[i, j] = T.if_then_else(j < i and i < valid, KK[i, j], 0.0)
                 for i, j in T.Parallel(C, C):
-                    p_s[i, j] = QK[i, j]
+                    if FORM_P:
+                        p_s[i, j] = QK[i, j]
                     if not BACKWARD:
                         x_s[i, j] = KK[i, j]
-                for i, j in T.Parallel(C, C):
-                    if i < valid:
-                        P[t0 + i, ih, j] = p_s[i, j]
+                if FORM_P:
+                    for i, j in T.Parallel(C, C):
+                        if i < valid:
+                            P[t0 + i, ih, j] = p_s[i, j]
 
                 if not BACKWARD:  # X = (I + M)⁻¹ and A = X diag(β)
                     # 1. diagonal blocks: half-warp h inverts block h, lane l solves column l % 8:
@@ -316,5 +326,39 @@ def kkt_solve_kernel(
                         if row < valid:
                             for c in T.vectorized(4):
                                 A[t0 + row, ih, tx % 16 * 4 + c] = x_s[row, tx % 16 * 4 + c] * bcol[c]
+
+    if FORM_P:
+
+        @T.prim_func
+        def kkt_solve(
+            q: T.Tensor([tokens, Hqk, K], dtype),
+            k: T.Tensor([tokens, Hqk, K], dtype),
+            g: T.Tensor([tokens, Hv], accum),
+            beta: T.Tensor([tokens, Hv], beta_dtype),
+            chunk_table: T.Tensor([n_slots, 2], "int32"),
+            g_cum: T.Tensor([tokens, Hv], accum),
+            gamma: T.Tensor([Hv, n_slots, C], accum),
+            gates: T.Tensor([Hv, n_slots, 2, C], accum),
+            A: T.Tensor([tokens, Hv, C], dtype),
+            P: T.Tensor([tokens, Hv, C], dtype),
+            slots: T.int32,
+        ):
+            kkt_solve_body(q, k, g, beta, chunk_table, g_cum, gamma, gates, A, P, slots)
+
+    else:
+
+        @T.prim_func
+        def kkt_solve(
+            k: T.Tensor([tokens, Hqk, K], dtype),
+            g: T.Tensor([tokens, Hv], accum),
+            beta: T.Tensor([tokens, Hv], beta_dtype),
+            chunk_table: T.Tensor([n_slots, 2], "int32"),
+            g_cum: T.Tensor([tokens, Hv], accum),
+            gamma: T.Tensor([Hv, n_slots, C], accum),
+            gates: T.Tensor([Hv, n_slots, 2, C], accum),
+            A: T.Tensor([tokens, Hv, C], dtype),
+            slots: T.int32,
+        ):
+            kkt_solve_body(None, k, g, beta, chunk_table, g_cum, gamma, gates, A, None, slots)
 
     return tilelang.compile(kkt_solve, target=profile.target)

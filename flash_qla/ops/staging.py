@@ -1,5 +1,5 @@
 """Stores of the transposed walks' register tiles: [BV, C] outputs (o; dv_new and dv) and
-the [BV, K] state (h; dh).
+the [BV, K] state (h; dh); and `stage_rows`, fused_fwd_opath's o staged in its own orientation.
 
 The transposed walks (fused_fwd_wide, fused_bwd_wide) hold their [C, BV] outputs as [BV, C]
 accumulators, one consumer warpgroup per 64 of the BV rows. Each warpgroup stages and stores
@@ -49,6 +49,44 @@ __device__ __forceinline__ void flash_qla_stsm_x4_trans(void* smem, const void* 
 }
 #endif
 """
+
+
+# stmatrix.x4 (not transposed) of the same four words: the tile in the fragment's own orientation
+STSM_X4 = """
+#ifndef FLASH_QLA_STSM_X4
+#define FLASH_QLA_STSM_X4
+__device__ __forceinline__ void flash_qla_stsm_x4(void* smem, const void* regs, int first) {
+  const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
+               :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
+#endif
+"""
+
+
+def stage_rows(R: int):
+    """The macro stage_rows(X, x_s, b, tx): x_s[b, :, :R] = X, by stmatrix.x4, four instructions a thread for R = 64.
+
+    X [64, R] 16-bit fragment in a wgmma accumulator's layout (one warpgroup's; the tokens are its rows, as
+    fused_fwd_opath's O), x_s [buffers, 64, >= R] shared, b a buffer index, tx the thread's index in its
+    warpgroup. In lane l of warp w, element 4k + 2h + e of the local array is X[16 w + 8 h + l / 4,
+    8 k + 2 (l % 4) + e], so 32-bit word 4n + q is 8 x 8 matrix q of instruction n (rows 16 w + 8 (q % 2)..,
+    columns 8 (2 n + q / 2)..), whose row l % 8 lane l addresses when l / 8 = q. No barrier: the caller
+    orders the tile's reads and writes.
+    """
+    assert R % 16 == 0, "each stmatrix.x4 stages 16 columns"
+
+    @T.macro
+    def stage(X, x_s, b, tx):
+        warp = tx // 32
+        lane = tx % 32
+        T.import_source(STSM_X4)
+        for n in T.unroll(R // 16):
+            row = 16 * warp + 8 * (lane // 8 % 2) + lane % 8
+            col = 8 * (2 * n + lane // 16)
+            T.call_extern("handle", "flash_qla_stsm_x4", T.access_ptr(x_s[b, row, col], "w", 8), X.data, 4 * n)
+
+    return stage
 
 
 def stage_transposed(BV: int, R: int):

@@ -4,9 +4,9 @@ Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk 
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
 for narrower ones. An inference forward (o alone) whose walk runs at 64 columns takes
-fused_fwd_opath instead, which forms P itself (kkt_solve then skips it: 2/8 8x4096 157 -> 149
-µs on the H200, benchmark/NOTES.md v37). Long sequences over few heads walk in pieces instead (splits_forward,
-flash_qla.ops.context_parallel). A training forward may keep state
+fused_fwd_opath instead, which forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096
+157.6 -> 150.3 µs on the H200, benchmark/NOTES.md v37). Long sequences over few heads walk in
+pieces instead (splits_forward, flash_qla.ops.context_parallel). A training forward may keep state
 checkpoints for the backward's recompute (keeps_checkpoints, flash_qla.ops.backward) or,
 asked to (keep_states), every state, so that the backward recomputes none.
 """
@@ -258,20 +258,17 @@ def _forward_kernels(
     split, BV, opath = walk_plan(seqlens, Hv, V, profile, auto_cp, training, output_h)
     # kkt_solve's outputs: g_cum; γ again, chunk-major, for fused_fwd and fused_fwd_opath; e^γ and e^{γ_L − γ},
     # fused_fwd_wide's and fused_fwd_opath's γ; A; P = Q Kᵀ ⊙ Γ ⊙ Lower (unless the walk forms it)
-    specs = ((T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((T, Hv, C), q.dtype)
-    if not opath:
-        specs += (((T, Hv, C), q.dtype),)
-    if scratch:  # read by this call's walk alone
-        g_cum, gamma, gates, A, *P = buffers.scratch(specs, q)
-    else:
-        g_cum, gamma, gates, A, *P = (buffers.new(*spec, q) for spec in specs)
+    specs = [((T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((T, Hv, C), q.dtype)]
+    specs += [] if opath else [((T, Hv, C), q.dtype)]
+    # scratch: read by this call's walk alone
+    outs = buffers.scratch(specs, q) if scratch else [buffers.new(*spec, q) for spec in specs]
+    g_cum, gamma, gates, A = outs[:4]
+    P = None if opath else outs[4]
     beta_dtype = DTYPE_NAMES.get(beta.dtype, "float32")
     if opath:
-        P = None
         kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, beta_dtype, FORM_P=False)
         executable(kkt)(k, g, beta, chunks, g_cum, gamma, gates, A, slots)
     else:
-        (P,) = P
         kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, beta_dtype)
         executable(kkt)(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, slots)
     v = v.squeeze(0).contiguous()

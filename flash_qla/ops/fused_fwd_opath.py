@@ -30,7 +30,7 @@ Outputs:
     o           [T, Hv, V]   input dtype
     ht          [N, Hv, K, V] fp32, the final state
 
-Schedule: grid (V / 64, Hv, N), 512 threads, one block an SM (210 KB of shared memory):
+Schedule: grid (V / 64, Hv, N), 512 threads, one block an SM (216 320 bytes of shared memory):
 - warp 0 streams k, the gates, v, A, q and γ of each chunk by TMA into a 3-deep ring (full /
   empty mbarriers; a slot is free once the chain and the chunk's O warpgroup have read it);
   its warpgroup keeps 24 registers a thread (setmaxnreg);

@@ -54,9 +54,9 @@ one O warpgroup for all chunks it took 120.5: P's product and exponentials made 
 longer than the chain). The library's inference forward with this route / with kkt_solve's P
 and fused_fwd_wide, in one process, µs: 2/8 8x4096 150.3 / 157.6, 4/8 8x4096 152.3 / 160.7,
 8/32 2x4096 153.0 / 159.6, 16/48 3x2048 207.2 / 214.7, 16/64 1x2048 80.3 / 85.5, 16/64 1x32768
-1099.7 / 1152.7. The forward takes this walk wherever it would run fused_fwd_wide at BV = 64
-for o alone (flash_qla.ops.forward.walk_plan); a training forward keeps kkt_solve's P for the
-backward, and the low-level forward's h is fused_fwd_wide's.
+1099.7 / 1152.7. The forward takes this walk wherever its walk over whole sequences runs at 64
+columns for o alone (flash_qla.ops.forward.walk_plan; a split's pieces walk as before); a training
+forward keeps kkt_solve's P for the backward, and the low-level forward's h is fused_fwd_wide's.
 """
 
 import functools

@@ -73,8 +73,8 @@ LOG2E = 1.4426950408889634
 BV = 64  # one chain: the V-tile is wgmma's M of one warpgroup
 STAGES = 3  # the ring's depth (2 cost the O-warpgroup walk 7 µs: benchmark/NOTES.md v34)
 O_BARRIER = 10  # named barriers of the O warpgroups' stagings: 10 and 11
-# a thread's registers by role (setmaxnreg): 24 + 2·120 + 240 = 504 a thread of each warpgroup, within the 4 · 128
-# the launch holds (a setmaxnreg to the launch's own 128 faults on the H200: benchmark/NOTES.md v37 step 1)
+# a thread's registers by warpgroup role (setmaxnreg): 24 + 2·120 + 240 = 504 <= 4 · 128, the launch's 128 a thread
+# over four warpgroups (a setmaxnreg to the launch's own 128 faults on the H200: benchmark/NOTES.md v37 step 1)
 REGS_LOADS, REGS_O, REGS_CHAIN = 24, 120, 240
 
 

@@ -35,8 +35,10 @@ Schedule: grid (V / 64, Hv, N), 512 threads, one block an SM (216 320 bytes of s
   empty mbarriers; a slot is free once the chain and the chunk's O warpgroup have read it);
   its warpgroup keeps 24 registers a thread (setmaxnreg);
 - warpgroup 3, the chain (240 registers): as fused_fwd_wide's at BV = 64, with Sᵀ (rounded)
-  staged for the O path under Sᵀ Kᵀ and v_newᵀ under the state update, each into the tile of
-  the chunk's parity (mbarriers sfull / sempty, vfull / vempty, one pair a parity);
+  staged for the O path under Sᵀ Kᵀ and v_newᵀ under the state update, each by stmatrix into the
+  tile of the chunk's parity (mbarriers sfull / sempty, vfull / vempty, one pair a parity), and
+  Vᵀ read from the ring by ldmatrix.trans under Sᵀ Kᵀ (4 instructions a thread where 2-byte
+  loads took 32);
 - warpgroups 1 and 2 (120 registers), the O path of the even and the odd chunks: Q Kᵀ (wgmma,
   both operands from the ring) as soon as the chunk is in, P formed in its accumulator's
   registers, then Q S from the staged Sᵀ, the e^γ row scale, P v_new (P the A operand straight
@@ -44,19 +46,28 @@ Schedule: grid (V / 64, Hv, N), 512 threads, one block an SM (216 320 bytes of s
   warpgroup's own and stored by one TMA bulk store (a sequence's last chunk by rows: its rows
   past the end are the next sequence's), between named barriers of the warpgroup's 128 threads
   (ids 10 and 11, clear of those TileLang numbers itself).
+The roles hand tiles over by mbarriers alone, and within the chain no thread reads shared memory
+another chain thread wrote, so the kernel is compiled without TileLang's thread-storage sync pass,
+whose barriers (four a chunk on the chain, one on each O warpgroup) ordered nothing that needed it.
 Each O warpgroup has two chunks' time for each of its chunks, so the chain stages S_{c+1}
 without waiting for chunk c's O path; what the O path still costs the chain is the SM they
 share (its products on the tensor cores, its issue slots).
 
-Measured on the H200 (benchmark/NOTES.md v37), bf16, kernel time: at 2/8 8x4096 kkt_solve
+Measured on the H200 (benchmark/NOTES.md v37, v38), bf16, kernel time: at 2/8 8x4096 kkt_solve
 without P takes 49.2 µs against 64.5 and this walk 104-105.5 against fused_fwd_wide's 93 (with
 one O warpgroup for all chunks it took 120.5: P's product and exponentials made the O path
 longer than the chain). The library's inference forward with this route / with kkt_solve's P
 and fused_fwd_wide, in one process, µs: 2/8 8x4096 150.3 / 157.6, 4/8 8x4096 152.3 / 160.7,
 8/32 2x4096 153.0 / 159.6, 16/48 3x2048 207.2 / 214.7, 16/64 1x2048 80.3 / 85.5, 16/64 1x32768
-1099.7 / 1152.7. The forward takes this walk wherever its walk over whole sequences runs at 64
-columns for o alone (flash_qla.ops.forward.walk_plan; a split's pieces walk as before); a training
-forward keeps kkt_solve's P for the backward, and the low-level forward's h is fused_fwd_wide's.
+1099.7 / 1152.7 (v37). Without the sync pass's barriers, with the stagings and V's read by
+stmatrix / ldmatrix (v38, outputs bitwise equal): 2/8 8x4096 149.1 -> 144.3 µs (the barriers
+alone -1.1, the three together -4.8), 4/8 8x4096 151.1 -> 146.4, 16/64 1x2048 80.1 -> 77.8; V
+read under Sᵀ Kᵀ rather than after it, 1.1-1.5 µs more (2/8 145.2-145.8 -> 143.7-144.3). The
+forward takes this walk wherever its walk over whole sequences runs at 64 columns for o alone
+(flash_qla.ops.forward.walk_plan; a split's pieces walk as before); a training forward keeps
+kkt_solve's P for the backward, and the low-level forward's h is fused_fwd_wide's. Where the
+planner picks 128 columns, this walk at 64 is slower (16/32, 8/32, 4/16, 16/64, 16/48 8x4096:
++2.4 % to +3.6 %, measured before V's read moved, v38 step 3).
 """
 
 import functools
@@ -67,10 +78,11 @@ from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel
-from flash_qla.ops.staging import stage_rows
+from flash_qla.ops.staging import load_transposed, stage_rows
 
 LOG2E = 1.4426950408889634
 BV = 64  # one chain: the V-tile is wgmma's M of one warpgroup
+DISABLE_SYNC = "tl.disable_thread_storage_sync"
 STAGES = 3  # the ring's depth (2 cost the O-warpgroup walk 7 µs: benchmark/NOTES.md v34)
 O_BARRIER = 10  # named barriers of the O warpgroups' stagings: 10 and 11
 # a thread's registers by warpgroup role (setmaxnreg): 24 + 2·120 + 240 = 504 <= 4 · 128, the launch's 128 a thread
@@ -90,6 +102,9 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
     n_h0 = T.dynamic("n_h0")
     n_slots = T.dynamic("n_slots")
     stage_o = stage_rows(BV)
+    stage_s = stage_rows(K)
+    stage_vn = stage_rows(C)
+    load_vt = load_transposed(C)
 
     @T.macro
     def o_path(
@@ -177,7 +192,9 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
             s_buf = T.alloc_shared([2, BV, K], dtype)  # the chain's Sᵀ for Q S, by chunk parity
             vn_buf = T.alloc_shared([2, BV, C], dtype)  # the chain's v_newᵀ for P v_new
             o_s = T.alloc_shared([2, C, BV], dtype)  # o staged for its TMA store, by O warpgroup
-            T.annotate_layout({o_s: make_full_bank_swizzled_layout(o_s), v_s: make_full_bank_swizzled_layout(v_s)})
+            # swizzled as wgmma reads them (s_buf, vn_buf: the O warpgroups' B operands); stmatrix / ldmatrix move
+            # whole 16-byte row pieces, which the swizzle keeps whole
+            T.annotate_layout({x: make_full_bank_swizzled_layout(x) for x in (o_s, v_s, s_buf, vn_buf)})
             full = T.alloc_barrier([32] * STAGES)
             empty = T.alloc_barrier([256] * STAGES)  # the chain and the chunk's O warpgroup
             sfull = T.alloc_barrier([128, 128])
@@ -250,16 +267,17 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
                     T.wgmma_gemm(Sb, k_s[s, :, :], Wt, transpose_B=True, clear_accum=True)
                     # Sᵀ for the O path, staged under Sᵀ Kᵀ
                     T.mbarrier_wait_parity(sempty[c % 2], ((c // 2) & 1) ^ 1)
-                    T.copy(Sb, s_buf[c % 2, :, :])
+                    stage_s(Sb, s_buf, c % 2, tx - 384)
                     T.fence_proxy_async()
                     T.mbarrier_arrive(sfull[c % 2])
                     for i in T.Parallel(C):
                         eg[i] = gates_s[s, 0, i]
                         ed[i] = gates_s[s, 1, i]
+                    load_vt(Ub, v_s, s, tx - 384)  # Vᵀ, under Sᵀ Kᵀ
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(Wt, num_regs=C * BV // 128)
                     for j, i in T.Parallel(BV, C):
-                        Ub[j, i] = v_s[s, i, j] - Wt[j, i] * eg[i]
+                        Ub[j, i] = Ub[j, i] - Wt[j, i] * eg[i]
                     T.wgmma_gemm(Ub, a_s[s, :, :], VNt, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(VNt, num_regs=C * BV // 128)
@@ -269,7 +287,7 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
                     # v_newᵀ for the O path, staged under the state update
                     T.copy(VNt, VNb)
                     T.mbarrier_wait_parity(vempty[c % 2], ((c // 2) & 1) ^ 1)
-                    T.copy(VNb, vn_buf[c % 2, :, :])
+                    stage_vn(VNb, vn_buf, c % 2, tx - 384)
                     T.fence_proxy_async()
                     T.mbarrier_arrive(vfull[c % 2])
                     T.wait_wgmma(0)
@@ -278,4 +296,6 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
                 for j, d in T.Parallel(BV, K):
                     ht[n, ih, d, v0 + j] = St[j, d]
 
-    return tilelang.compile(fused_fwd_opath, target=profile.target)
+    # every hand-off is ordered by the kernel itself (module docstring): TileLang's own barriers would add five
+    # a chunk, four on the chain
+    return tilelang.compile(fused_fwd_opath, target=profile.target, pass_configs={DISABLE_SYNC: True})

@@ -1,5 +1,7 @@
 """Stores of the transposed walks' register tiles: [BV, C] outputs (o; dv_new and dv) and
-the [BV, K] state (h; dh); and `stage_rows`, fused_fwd_opath's o staged in its own orientation.
+the [BV, K] state (h; dh); and fused_fwd_opath's copies between register tiles and shared memory
+by stmatrix / ldmatrix: `stage_rows` (a tile in its own orientation: o, Sᵀ, v_newᵀ) and
+`load_transposed` (Vᵀ as a product's A operand).
 
 The transposed walks (fused_fwd_wide, fused_bwd_wide) hold their [C, BV] outputs as [BV, C]
 accumulators, one consumer warpgroup per 64 of the BV rows. Each warpgroup stages and stores
@@ -51,25 +53,33 @@ __device__ __forceinline__ void flash_qla_stsm_x4_trans(void* smem, const void* 
 """
 
 
-# stmatrix.x4 (not transposed) of the same four words: the tile in the fragment's own orientation
-STSM_X4 = """
-#ifndef FLASH_QLA_STSM_X4
-#define FLASH_QLA_STSM_X4
+# fused_fwd_opath's two: stmatrix.x4 (not transposed) of the same four words, the tile in the fragment's own
+# orientation; and ldmatrix.x4.trans into four words of a local array, the inverse of flash_qla_stsm_x4_trans. One
+# source, as TileLang takes one import a kernel ("Try to merge two annotations with different values for key
+# pragma_import_c" otherwise)
+ROW_COPIES = """
+#ifndef FLASH_QLA_ROW_COPIES
+#define FLASH_QLA_ROW_COPIES
 __device__ __forceinline__ void flash_qla_stsm_x4(void* smem, const void* regs, int first) {
   const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
   asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
                :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
+__device__ __forceinline__ void flash_qla_ldsm_x4_trans(const void* smem, void* regs, int first) {
+  unsigned* r = reinterpret_cast<unsigned*>(regs) + first;
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(smem)));
 }
 #endif
 """
 
 
 def stage_rows(R: int):
-    """The macro stage_rows(X, x_s, b, tx): x_s[b, :, :R] = X, by stmatrix.x4, four instructions a thread for R = 64.
+    """The macro stage_rows(X, x_s, b, tx): x_s[b, :, :R] = X, by stmatrix.x4, R / 16 instructions a thread.
 
-    X [64, R] 16-bit fragment in a wgmma accumulator's layout (one warpgroup's; the tokens are its rows, as
-    fused_fwd_opath's O), x_s [buffers, 64, >= R] shared, b a buffer index, tx the thread's index in its
-    warpgroup. In lane l of warp w, element 4k + 2h + e of the local array is X[16 w + 8 h + l / 4,
+    X [64, R] 16-bit fragment in a wgmma accumulator's layout, which is also a wgmma A operand's (one
+    warpgroup's: fused_fwd_opath's O, tokens its rows; the chain's Sᵀ and v_newᵀ), x_s [buffers, 64, >= R]
+    shared, b a buffer index, tx the thread's index in its warpgroup. In lane l of warp w, element 4k + 2h + e of the local array is X[16 w + 8 h + l / 4,
     8 k + 2 (l % 4) + e], so 32-bit word 4n + q is 8 x 8 matrix q of instruction n (rows 16 w + 8 (q % 2)..,
     columns 8 (2 n + q / 2)..), whose row l % 8 lane l addresses when l / 8 = q. No barrier: the caller
     orders the tile's reads and writes.
@@ -80,13 +90,38 @@ def stage_rows(R: int):
     def stage(X, x_s, b, tx):
         warp = tx // 32
         lane = tx % 32
-        T.import_source(STSM_X4)
+        T.import_source(ROW_COPIES)
         for n in T.unroll(R // 16):
             row = 16 * warp + 8 * (lane // 8 % 2) + lane % 8
             col = 8 * (2 * n + lane // 16)
             T.call_extern("handle", "flash_qla_stsm_x4", T.access_ptr(x_s[b, row, col], "w", 8), X.data, 4 * n)
 
     return stage
+
+
+def load_transposed(R: int):
+    """The macro load_transposed(Xt, x_s, b, tx): Xt = x_s[b, :R, :64]ᵀ, by ldmatrix.x4.trans, R / 16 instructions a
+    thread.
+
+    Xt [64, R] 16-bit fragment in a wgmma A operand's layout (fused_fwd_opath's Vᵀ), x_s [buffers, R, >= 64]
+    shared (v's ring), b a buffer index, tx the thread's index in its warpgroup. The addressing is
+    stage_transposed's stmatrix.x4.trans read backwards: word 4n + q of lane l gets 8 x 8 matrix q of instruction
+    n (tokens 8 (2 n + q / 2).., columns 16 w + 8 (q % 2)..), whose row l % 8 lane l addresses when l / 8 = q.
+    Where 2-byte loads took 32 instructions a thread at R = 64 (benchmark/NOTES.md v38 step 1).
+    """
+    assert R % 16 == 0, "each ldmatrix.x4 loads 16 rows"
+
+    @T.macro
+    def load(Xt, x_s, b, tx):
+        warp = tx // 32
+        lane = tx % 32
+        T.import_source(ROW_COPIES)
+        for n in T.unroll(R // 16):
+            row = 8 * (2 * n + lane // 16) + lane % 8
+            col = 16 * warp + 8 * (lane // 8 % 2)
+            T.call_extern("handle", "flash_qla_ldsm_x4_trans", T.access_ptr(x_s[b, row, col], "r", 8), Xt.data, 4 * n)
+
+    return load
 
 
 def stage_transposed(BV: int, R: int):

@@ -75,6 +75,7 @@ import functools
 import tilelang
 import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
+from tilelang.transform import PassConfigKey
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel
@@ -82,7 +83,6 @@ from flash_qla.ops.staging import load_transposed, stage_rows
 
 LOG2E = 1.4426950408889634
 BV = 64  # one chain: the V-tile is wgmma's M of one warpgroup
-DISABLE_SYNC = "tl.disable_thread_storage_sync"
 STAGES = 3  # the ring's depth (2 cost the O-warpgroup walk 7 µs: benchmark/NOTES.md v34)
 O_BARRIER = 10  # named barriers of the O warpgroups' stagings: 10 and 11
 # a thread's registers by warpgroup role (setmaxnreg): 24 + 2·120 + 240 = 504 <= 4 · 128, the launch's 128 a thread
@@ -298,4 +298,5 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
 
     # every hand-off is ordered by the kernel itself (module docstring): TileLang's own barriers would add five
     # a chunk, four on the chain
-    return tilelang.compile(fused_fwd_opath, target=profile.target, pass_configs={DISABLE_SYNC: True})
+    no_sync_pass = {PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+    return tilelang.compile(fused_fwd_opath, target=profile.target, pass_configs=no_sync_pass)

@@ -79,10 +79,10 @@ def stage_rows(R: int):
 
     X [64, R] 16-bit fragment in a wgmma accumulator's layout, which is also a wgmma A operand's (one
     warpgroup's: fused_fwd_opath's O, tokens its rows; the chain's Sᵀ and v_newᵀ), x_s [buffers, 64, >= R]
-    shared, b a buffer index, tx the thread's index in its warpgroup. In lane l of warp w, element 4k + 2h + e of the local array is X[16 w + 8 h + l / 4,
-    8 k + 2 (l % 4) + e], so 32-bit word 4n + q is 8 x 8 matrix q of instruction n (rows 16 w + 8 (q % 2)..,
-    columns 8 (2 n + q / 2)..), whose row l % 8 lane l addresses when l / 8 = q. No barrier: the caller
-    orders the tile's reads and writes.
+    shared, b a buffer index, tx the thread's index in its warpgroup. In lane l of warp w, element
+    4k + 2h + e of the local array is X[16 w + 8 h + l / 4, 8 k + 2 (l % 4) + e], so 32-bit word 4n + q is
+    8 x 8 matrix q of instruction n (rows 16 w + 8 (q % 2).., columns 8 (2 n + q / 2)..), whose row l % 8
+    lane l addresses when l / 8 = q. No barrier: the caller orders the tile's reads and writes.
     """
     assert R % 16 == 0, "each stmatrix.x4 stages 16 columns"
 
@@ -107,7 +107,8 @@ def load_transposed(R: int):
     shared (v's ring), b a buffer index, tx the thread's index in its warpgroup. The addressing is
     stage_transposed's stmatrix.x4.trans read backwards: word 4n + q of lane l gets 8 x 8 matrix q of instruction
     n (tokens 8 (2 n + q / 2).., columns 16 w + 8 (q % 2)..), whose row l % 8 lane l addresses when l / 8 = q.
-    Where 2-byte loads took 32 instructions a thread at R = 64 (benchmark/NOTES.md v38 step 1).
+    Four instructions a thread at R = 64, where 2-byte loads took 32 (benchmark/NOTES.md v38 step 1). No
+    barrier: the caller orders the tile's reads and writes.
     """
     assert R % 16 == 0, "each ldmatrix.x4 loads 16 rows"
 

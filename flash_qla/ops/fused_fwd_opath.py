@@ -65,7 +65,9 @@ alone -1.1, the three together -4.8), 4/8 8x4096 151.1 -> 146.4, 16/64 1x2048 80
 read under Sᵀ Kᵀ rather than after it, 1.1-1.5 µs more (2/8 145.2-145.8 -> 143.7-144.3). The
 forward takes this walk wherever its walk over whole sequences runs at 64 columns for o alone
 (flash_qla.ops.forward.walk_plan; a split's pieces walk as before); a training forward keeps
-kkt_solve's P for the backward, and the low-level forward's h is fused_fwd_wide's. Where the
+kkt_solve's P for the backward and walks with fused_fwd_wide (this walk with that P loaded into
+the O warpgroups' registers instead of formed: 99-100 µs against fused_fwd_wide's 93 at 2/8
+8x4096, v38 step 6), and the low-level forward's h is fused_fwd_wide's. Where the
 planner picks 128 columns, this walk at 64 is slower (16/32, 8/32, 4/16, 16/64, 16/48 8x4096:
 +2.4 % to +3.6 %, measured before V's read moved, v38 step 3).
 """

@@ -1,5 +1,7 @@
 """Test-session settings and shared fixtures."""
 
+import sys
+
 import pytest
 import torch
 
@@ -20,3 +22,12 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(buffers, "new", new)
     monkeypatch.setattr(buffers, "new_like", lambda x: new(x.shape, x.dtype, x))
     monkeypatch.setattr(buffers, "scratch", lambda specs, like: [new(shape, dtype, like) for shape, dtype in specs])
+
+
+@pytest.fixture(autouse=True)
+def fresh_forward_plans():
+    """Each test plans its forwards afresh: flash_qla.ops.forward.forward_plan remembers a plan per shapes
+    and options, and one made while an earlier test had swapped a planner function must not be reused."""
+    forward = sys.modules.get("flash_qla.ops.forward")
+    if forward is not None:
+        forward.forward_plan.cache_clear()

@@ -37,6 +37,15 @@ def record_calls(monkeypatch, module, name):
     return calls
 
 
+def patch_planner(monkeypatch, name, fn):
+    """Swap flash_qla.ops.forward's planner function `name` for fn for the test's duration, and drop the
+    plans made so far (forward_plan remembers them) so that the next forward plans with fn."""
+    from flash_qla.ops import forward
+
+    monkeypatch.setattr(forward, name, fn)
+    forward.forward_plan.cache_clear()
+
+
 def _short_seqlens(n, seed):
     gen = torch.Generator().manual_seed(seed)
     return tuple(torch.randint(1, 90, (n,), generator=gen).tolist())

@@ -300,3 +300,40 @@ def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
     assert built == [("fwd", 4, 8, "bfloat16"), ("bwd", 4, 8, "bfloat16"), ("keep", 4, 8, "bfloat16")]
     with pytest.raises(SystemExit):  # training's kernels with the kept states' walks, or the forward's alone
         precompile_main(["--heads", "4/8", "--keep-states", "--forward-only"])
+
+
+def test_forward_plan_decided_once_per_shapes_and_options(monkeypatch):
+    """forward_plan decides the route and looks its kernels up on the first forward over given shapes and
+    options, and hands every later one the same plan; other shapes or options are planned afresh."""
+    from flash_qla.ops import forward
+
+    built = []
+
+    def factory(name):
+        def build(*args, **kwargs):
+            built.append(name)
+            return name
+
+        return build
+
+    monkeypatch.setattr(forward, "get_profile", lambda device: SM90)
+    for name in ("kkt_solve", "fused_fwd_opath", "fused_fwd", "fused_fwd_wide"):
+        monkeypatch.setattr(forward, f"{name}_kernel", factory(name))
+    monkeypatch.setattr(forward, "executable", lambda kernel: f"launch {kernel}")
+
+    def plan(seqlens, Hv, training=False):
+        bf16 = torch.bfloat16
+        return forward.forward_plan(
+            torch.device("cuda", 0), sum(seqlens), seqlens, 2, Hv, 128, 128, bf16, bf16, False, False, True, training,
+            False,
+        )  # fmt: skip
+
+    inference = plan((4096,) * 8, 8)  # 2/8 8x4096: the O-path walk, kkt_solve without P
+    assert plan((4096,) * 8, 8) is inference and built == ["kkt_solve", "fused_fwd_opath"]
+    assert (inference.split, inference.opath, inference.BV) == (False, True, 64)
+    assert inference.kkt == "launch kkt_solve" and inference.walk == "launch fused_fwd_opath"
+    assert inference.slots == 8 * 4096 // 64 + 8 and len(inference.specs) == 4
+    training = plan((4096,) * 8, 8, training=True)  # P kept for the backward
+    assert built[2:] == ["kkt_solve", "fused_fwd_wide"] and len(training.specs) == 5 and not training.opath
+    pieces = plan((32768,), 8)  # split: the pieces' walks are looked up per call
+    assert pieces.split and pieces.walk is None and built[4:] == ["kkt_solve"]

@@ -42,7 +42,7 @@ import flash_qla.autograd as autograd_module
 import flash_qla.ops.backward as backward_module
 import flash_qla.ops.forward as forward_module
 from flash_qla.reference.chunked import _forward_from_gcum, chunk_gated_delta_rule_bwd_ref, chunk_local_cumsum
-from gpu_cases import CASES, Case, case_inputs, record_calls, rel_l2
+from gpu_cases import CASES, Case, case_inputs, patch_planner, record_calls, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -262,11 +262,11 @@ def test_checkpointed_recompute_is_exact(case, poisoned, monkeypatch):
     walked_pieces = record_calls(monkeypatch, backward_module, "checkpoint_pieces")
     # the walk whole (a split forward keeps its checkpoints always; the training planner splits 9000
     # tokens over 8 heads)
-    monkeypatch.setattr(forward_module, "splits_forward", lambda *args: False)
+    patch_planner(monkeypatch, "splits_forward", lambda *args: False)
     grads = {}
     for keep in (True, False):
         walked_pieces.clear()
-        monkeypatch.setattr(forward_module, "keeps_checkpoints", lambda *args, keep=keep: keep)
+        patch_planner(monkeypatch, "keeps_checkpoints", lambda *args, keep=keep: keep)
         grads[keep] = _grads(flash_qla_gdr, inputs, do, dht, cu_seqlens=cu)
         assert len(walked_pieces) == int(keep), "the backward walks pieces exactly when the forward kept checkpoints"
     for name, got in grads[True].items():
@@ -385,7 +385,7 @@ def test_split_training_matches_reference(poisoned, monkeypatch):
     x, cu, h0 = case_inputs(case, seed)
     do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
     dht = _randn((_num_seqs(case), 8, 128, 128), torch.float32, seed + 2)
-    monkeypatch.setattr(forward_module, "splits_forward", lambda *args: True)
+    patch_planner(monkeypatch, "splits_forward", lambda *args: True)
     split_walks = record_calls(monkeypatch, backward_module, "split_backward_walk")
     inputs = {**x, "initial_state": h0}
     got = _grads(flash_qla_gdr, inputs, do, dht, cu_seqlens=cu)
@@ -415,7 +415,7 @@ def test_training_split_hands_its_maps_to_the_backward(monkeypatch):
     grads = {}
     for split in (True, False):
         if not split:
-            monkeypatch.setattr(forward_module, "splits_forward", lambda *args: False)
+            patch_planner(monkeypatch, "splits_forward", lambda *args: False)
         o, _ = flash_qla_gdr(**leaves, cu_seqlens=cu)
         grads[split] = torch.autograd.grad(o, list(leaves.values()), do)
         assert all(torch.isfinite(g).all() for g in grads[split])

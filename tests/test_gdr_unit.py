@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import flash_qla
 from flash_qla.reference.chunked import chunk_gated_delta_rule_fwd_ref
 from flash_qla.reference.inputs import make_inputs
-from gpu_cases import CASES, Case, case_inputs, record_calls, rel_l2
+from gpu_cases import CASES, Case, case_inputs, patch_planner, record_calls, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -124,7 +124,7 @@ def test_split_forward_matches_whole_walk(case, poisoned, monkeypatch):
     splits = record_calls(monkeypatch, forward_module, "split_walk")
     out = {}
     for split in (True, False):
-        monkeypatch.setattr(forward_module, "splits_forward", lambda *args, split=split: split)
+        patch_planner(monkeypatch, "splits_forward", lambda *args, split=split: split)
         out[split] = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu, output_h=True)[2:]
     assert len(splits) == 1, "the forward split exactly when the planner said so"
     ref = chunk_gated_delta_rule_fwd_ref(

@@ -6,7 +6,9 @@ asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, 
 for narrower ones. An inference forward (o alone) whose walk runs at 64 columns takes
 fused_fwd_opath instead, which forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096
 157.6 -> 150.3 µs on the H200, benchmark/NOTES.md v37). Long sequences over few heads walk in
-pieces instead (splits_forward, flash_qla.ops.context_parallel). A training forward may keep state
+pieces instead (splits_forward, flash_qla.ops.context_parallel). What a call decides from its shapes and
+options alone (the route, the V-tile width, the kernels) is decided once per shapes and options
+(forward_plan): the layers of a model step repeat them. A training forward may keep state
 checkpoints for the backward's recompute (keeps_checkpoints, flash_qla.ops.backward) or,
 asked to (keep_states), every state, so that the backward recomputes none.
 """
@@ -14,6 +16,7 @@ asked to (keep_states), every state, so that the backward recomputes none.
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -233,44 +236,87 @@ def forward_kernels(
         )  # fmt: skip
 
 
+class ForwardPlan(NamedTuple):
+    """What a forward decides from its shapes and options alone (forward_plan): the same for every
+    layer of a model step, so decided once."""
+
+    profile: ArchProfile
+    slots: int  # chunk slots of kkt_solve's grid: T // C + N, an upper bound known without a sync
+    split: bool  # the walk runs over pieces (splits_forward)
+    opath: bool  # the walk is fused_fwd_opath, and kkt_solve forms no P
+    specs: tuple  # ((shape, dtype), ...) of kkt_solve's outputs, in its argument order
+    kkt: Callable  # kkt_solve's executable
+    walk: Callable | None  # the walk over whole sequences' executable; None when split
+    BV: int | None  # that walk's V-tile width
+    keeps_checkpoints: bool  # a training forward that keeps state checkpoints (keeps_checkpoints)
+
+
+@functools.lru_cache(maxsize=256)
+def forward_plan(
+    device, T, seqlens, Hqk, Hv, K, V, dtype, beta_dtype, has_h0, output_h, auto_cp, training, keep_states
+):  # fmt: skip
+    """The ForwardPlan of a forward over these shapes (torch dtypes; beta_dtype: beta_kernel_dtype's) and
+    options, remembered. Made on every call, the decisions (the split model over every sequence) and kernel
+    lookups put kkt_solve's launch 4 µs later at 16/32 1x2048 and 12-56 µs later at 2/8 8x4096 on the
+    H200's host (benchmark/NOTES.md v39). A new seqlens pattern is planned afresh, as every call was before."""
+    profile = get_profile(device)
+    C = profile.chunk
+    N = len(seqlens)
+    name = DTYPE_NAMES[dtype]
+    f32 = torch.float32
+    split, BV, opath = walk_plan(seqlens, Hv, V, profile, auto_cp, training, output_h)
+    slots = T // C + N
+    # kkt_solve's outputs: g_cum; γ again, chunk-major, for fused_fwd and fused_fwd_opath; e^γ and e^{γ_L − γ},
+    # fused_fwd_wide's and fused_fwd_opath's γ; A; P = Q Kᵀ ⊙ Γ ⊙ Lower (unless the walk forms it)
+    specs = ((T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((T, Hv, C), dtype)
+    specs += () if opath else (((T, Hv, C), dtype),)
+    kkt = kkt_solve_kernel(Hqk, Hv, K, name, profile, DTYPE_NAMES.get(beta_dtype, "float32"), FORM_P=not opath)
+    # kept for a backward that recomputes the states, where they pay, and always when the walk split
+    # (free then: the pieces' start states); none when every state is kept
+    keeps = training and auto_cp and not split and not keep_states and keeps_checkpoints(seqlens, Hv, V, profile)
+    walk = None
+    if opath:
+        walk = fused_fwd_opath_kernel(Hqk, Hv, K, V, name, profile, has_h0)
+    elif not split:
+        store_h = output_h or keep_states
+        walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_h0, store_h, False, keeps, KEEP_H=keep_states)
+    walk = None if walk is None else executable(walk)
+    return ForwardPlan(profile, slots, split, opath, specs, executable(kkt), walk, BV, keeps)
+
+
 def _forward_kernels(
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training,
     keep_states, scratch,
 ):  # fmt: skip
-    device = q.device
-    profile = get_profile(device)
-    C = profile.chunk
+    assert not (keep_states and (output_h or not training)), "states are kept for a training backward"
+    assert not (scratch and (output_h or training)), "scratch holds what this call alone uses"
     _, T, Hqk, K = q.shape
     Hv, V = v.shape[2:]
-    N = cu_seqlens.shape[0] - 1
-    dtype = DTYPE_NAMES[q.dtype]
+    beta_dtype = beta_kernel_dtype(beta, q)
+    h0 = initial_state
+    plan = forward_plan(
+        q.device, T, seqlens, Hqk, Hv, K, V, q.dtype, beta_dtype, h0 is not None, output_h, auto_cp, training,
+        keep_states,
+    )  # fmt: skip
+    profile, slots = plan.profile, plan.slots
+    C = profile.chunk
+    N = len(seqlens)
     f32 = torch.float32
     # kkt_solve's inputs first: what only the walk reads is prepared while kkt_solve runs
     q, k = q.squeeze(0).contiguous(), k.squeeze(0).contiguous()
     g = contiguous_in(g.squeeze(0), f32)
-    beta = contiguous_in(beta.squeeze(0), beta_kernel_dtype(beta, q))
+    beta = contiguous_in(beta.squeeze(0), beta_dtype)
     cu_seqlens = cu_seqlens.contiguous()
-    slots = T // C + N  # upper bound of the number of chunks, known without a sync
     chunks = chunk_table(cu_seqlens, C, slots)
-
-    assert not (keep_states and (output_h or not training)), "states are kept for a training backward"
-    assert not (scratch and (output_h or training)), "scratch holds what this call alone uses"
-    split, BV, opath = walk_plan(seqlens, Hv, V, profile, auto_cp, training, output_h)
-    # kkt_solve's outputs: g_cum; γ again, chunk-major, for fused_fwd and fused_fwd_opath; e^γ and e^{γ_L − γ},
-    # fused_fwd_wide's and fused_fwd_opath's γ; A; P = Q Kᵀ ⊙ Γ ⊙ Lower (unless the walk forms it)
-    specs = [((T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((T, Hv, C), q.dtype)]
-    specs += [] if opath else [((T, Hv, C), q.dtype)]
     # scratch: read by this call's walk alone
-    outs = buffers.scratch(specs, q) if scratch else [buffers.new(*spec, q) for spec in specs]
-    g_cum, gamma, gates, A = outs[:4]
-    P = None if opath else outs[4]
-    beta_dtype = DTYPE_NAMES.get(beta.dtype, "float32")
-    if opath:
-        kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, beta_dtype, FORM_P=False)
-        executable(kkt)(k, g, beta, chunks, g_cum, gamma, gates, A, slots)
+    outs = buffers.scratch(plan.specs, q) if scratch else [buffers.new(*spec, q) for spec in plan.specs]
+    if plan.opath:
+        g_cum, gamma, gates, A = outs
+        P = None
+        plan.kkt(k, g, beta, chunks, g_cum, gamma, gates, A, slots)
     else:
-        kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, beta_dtype)
-        executable(kkt)(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, slots)
+        g_cum, gamma, gates, A, P = outs
+        plan.kkt(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, slots)
     v = v.squeeze(0).contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
 
@@ -279,16 +325,16 @@ def _forward_kernels(
         h = buffers.new((sum(-(-n // C) for n in seqlens), Hv, K, V), f32, q)
     elif keep_states:
         h = buffers.new((slots, Hv, K, V), q.dtype, q)
-    store_h = output_h or keep_states
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    # kept for a backward that recomputes the states, where they pay, and always when the walk split
-    # (free then: the pieces' start states); none when every state is kept
+    if h0 is not None:
+        h0 = h0.contiguous()
     checkpoints = None
-    maps = None
-    if training and auto_cp and not split and not keep_states and keeps_checkpoints(seqlens, Hv, V, profile):
+    if plan.keeps_checkpoints:
         checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), f32, q)
+    maps = None
 
-    if split:  # pieces: the start states are the checkpoints
+    if plan.split:  # pieces: the start states are the checkpoints
+        store_h = output_h or keep_states
+        dtype = DTYPE_NAMES[q.dtype]
         pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
         BV = choose_block_v(pieces, Hv, V, profile)
         BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
@@ -313,24 +359,18 @@ def _forward_kernels(
                 first_rows.copy_(h0)
             else:
                 first_rows.zero_()
-        placeholder = buffers.placeholder(device, Hv, K, V)
+        placeholder = buffers.placeholder(q.device, Hv, K, V)
         o = buffers.new_like(v)
         final_state = buffers.new((N, Hv, K, V), f32, q)
-        if opath:
-            walk = fused_fwd_opath_kernel(Hqk, Hv, K, V, dtype, profile, h0 is not None)
-            executable(walk)(
-                q, k, v, gates, A, gamma, cu_seqlens, chunk_offsets, placeholder if h0 is None else h0, o,
-                final_state, scale,
-            )  # fmt: skip
+        if h0 is None:
+            h0 = placeholder
+        if plan.opath:
+            plan.walk(q, k, v, gates, A, gamma, cu_seqlens, chunk_offsets, h0, o, final_state, scale)
         else:
-            keeps = checkpoints is not None
-            fused = walk_kernel(BV)(
-                Hqk, Hv, K, V, BV, dtype, profile, h0 is not None, store_h, False, keeps, KEEP_H=keep_states
-            )  # fmt: skip
-            states = h if store_h else checkpoints if keeps else placeholder
-            executable(fused)(
-                q, k, v, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
-                placeholder if h0 is None else h0, o, final_state, states, scale,
+            states = h if h is not None else checkpoints if checkpoints is not None else placeholder
+            plan.walk(
+                q, k, v, walk_gate(plan.BV, gamma, gates), A, P, cu_seqlens, chunk_offsets, h0, o, final_state,
+                states, scale,
             )  # fmt: skip
     return (
         None if scratch else g_cum[None],

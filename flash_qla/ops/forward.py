@@ -82,13 +82,6 @@ def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile, cost=CHUN
     return min(BLOCK_V_CHOICES, key=lambda bv: (chunk_step_time(n_seqs, Hv, V, bv, profile, cost), -bv))
 
 
-@functools.lru_cache(maxsize=1024)
-def walk_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile) -> int:
-    """choose_block_v for the forward walk over whole sequences, remembered: the layers of a step ask
-    the same (~3 µs of host time a call on the H200's host, benchmark/NOTES.md v25)."""
-    return choose_block_v(n_seqs, Hv, V, profile)
-
-
 # A training forward keeps checkpoints when the backward's state recompute, restarted from them
 # in pieces of profile.checkpoint_chunks chunks, is estimated to take at most this fraction of
 # the walk over whole sequences: the pieces cost some time the model leaves out (the gather of
@@ -190,7 +183,7 @@ def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, tra
     the walk over whole sequences, and whether that walk is fused_fwd_opath (o alone at 64 columns:
     no training, no h), whose kkt_solve forms no P."""
     split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
-    BV = None if split else walk_block_v(len(seqlens), Hv, V, profile)
+    BV = None if split else choose_block_v(len(seqlens), Hv, V, profile)
     return split, BV, BV == OPATH_BLOCK_V and not (training or output_h)
 
 

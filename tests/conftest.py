@@ -25,9 +25,11 @@ def poisoned(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def fresh_forward_plans():
-    """Each test plans its forwards afresh: flash_qla.ops.forward.forward_plan remembers a plan per shapes
-    and options, and one made while an earlier test had swapped a planner function must not be reused."""
-    forward = sys.modules.get("flash_qla.ops.forward")
-    if forward is not None:
-        forward.forward_plan.cache_clear()
+def fresh_plans():
+    """Each test plans its forwards and backwards afresh: flash_qla.ops.forward.forward_plan and
+    flash_qla.ops.backward.backward_plan remember a plan per shapes and options, and one made while an
+    earlier test had swapped a planner function must not be reused. (Through sys.modules: a CPU test
+    does not import the GPU orchestration, and TileLang with it, to clear nothing.)"""
+    for module, plan in (("flash_qla.ops.forward", "forward_plan"), ("flash_qla.ops.backward", "backward_plan")):
+        if module in sys.modules:
+            getattr(sys.modules[module], plan).cache_clear()

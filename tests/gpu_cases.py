@@ -37,13 +37,23 @@ def record_calls(monkeypatch, module, name):
     return calls
 
 
-def patch_planner(monkeypatch, name, fn):
-    """Swap flash_qla.ops.forward's planner function `name` for fn for the test's duration, and drop the
-    plans made so far (forward_plan remembers them) so that the next forward plans with fn."""
-    from flash_qla.ops import forward
+def drop_plans():
+    """Forget the plans flash_qla.ops.forward.forward_plan and flash_qla.ops.backward.backward_plan remember
+    per shapes and options: the next forward and backward plan afresh (after a planner function was swapped)."""
+    from flash_qla.ops import backward, forward
 
-    monkeypatch.setattr(forward, name, fn)
     forward.forward_plan.cache_clear()
+    backward.backward_plan.cache_clear()
+
+
+def patch_planner(monkeypatch, name, fn, module=None):
+    """Swap the planner function `name` of module (flash_qla.ops.forward unless given) for fn for the test's
+    duration, and drop the plans made so far, so that the next forward and backward plan with fn."""
+    if module is None:
+        from flash_qla.ops import forward as module
+
+    monkeypatch.setattr(module, name, fn)
+    drop_plans()
 
 
 def _short_seqlens(n, seed):

@@ -302,12 +302,8 @@ def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
         precompile_main(["--heads", "4/8", "--keep-states", "--forward-only"])
 
 
-def test_forward_plan_decided_once_per_shapes_and_options(monkeypatch):
-    """forward_plan decides the route and looks its kernels up on the first forward over given shapes and
-    options, and hands every later one the same plan; other shapes or options are planned afresh."""
-    from flash_qla.ops import forward
-
-    built = []
+def _recording_factory(built):
+    """factory(name): a stand-in kernel factory that appends name to built on each build and returns name."""
 
     def factory(name):
         def build(*args, **kwargs):
@@ -316,6 +312,16 @@ def test_forward_plan_decided_once_per_shapes_and_options(monkeypatch):
 
         return build
 
+    return factory
+
+
+def test_forward_plan_decided_once_per_shapes_and_options(monkeypatch):
+    """forward_plan decides the route and looks its kernels up on the first forward over given shapes and
+    options, and hands every later one the same plan; other shapes or options are planned afresh."""
+    from flash_qla.ops import forward
+
+    built = []
+    factory = _recording_factory(built)
     monkeypatch.setattr(forward, "get_profile", lambda device: SM90)
     for name in ("kkt_solve", "fused_fwd_opath", "fused_fwd", "fused_fwd_wide"):
         monkeypatch.setattr(forward, f"{name}_kernel", factory(name))
@@ -337,3 +343,46 @@ def test_forward_plan_decided_once_per_shapes_and_options(monkeypatch):
     assert built[2:] == ["kkt_solve", "fused_fwd_wide"] and len(training.specs) == 5 and not training.opath
     pieces = plan((32768,), 8)  # split: the pieces' walks are looked up per call
     assert pieces.split and pieces.walk is None and built[4:] == ["kkt_solve"]
+
+
+def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
+    """backward_plan decides the route and looks its kernels up on the first backward over given shapes and
+    what the forward handed over, and hands every later one the same plan; other keys are planned afresh."""
+    from flash_qla.ops import backward
+
+    built = []
+    factory = _recording_factory(built)
+    monkeypatch.setattr(backward, "get_profile", lambda device: SM90)
+    monkeypatch.setattr(backward, "multiprocessors", lambda device: 132)
+    for name in ("kkt_solve", "chunk_grads", "fused_bwd", "fused_bwd_wide"):
+        monkeypatch.setattr(backward, f"{name}_kernel", factory(name))
+    monkeypatch.setattr(backward, "walk_kernel", lambda BV: factory(f"walk{BV}"))
+    monkeypatch.setattr(backward, "backward_walk_kernel", lambda BV: factory(f"backward_walk{BV}"))
+    monkeypatch.setattr(backward, "executable", lambda kernel: f"launch {kernel}")
+    backward.backward_plan.cache_clear()
+
+    def plan(seqlens, Hv, kept_terms=True, kept_states=False, checkpoints=False, maps=False, auto_cp=True):
+        return backward.backward_plan(
+            torch.device("cuda", 0), sum(seqlens), seqlens, 2, Hv, 128, 128, torch.bfloat16, kept_terms,
+            kept_states, checkpoints, maps, False, True, auto_cp,
+        )  # fmt: skip
+
+    training = plan((4096,) * 8, 8)  # 2/8 8x4096 after a training forward: recompute, whole walk, chunk_grads
+    assert plan((4096,) * 8, 8) is training and built == ["walk64", "backward_walk64", "chunk_grads"]
+    assert training.kkt is None and training.recompute == "launch walk64" and training.BV_h == 64
+    assert (training.split, training.BV, training.walk) == (False, 64, "launch backward_walk64")
+    assert training.grads == "launch chunk_grads" and training.blocks == 132 and training.ends_walk is None
+    assert training.slots == 8 * 4096 // 64 + 8
+    del built[:]
+    low_level = plan((4096,) * 8, 8, kept_terms=False)  # the low-level backward forms P, γ and gates
+    assert low_level.kkt == "launch kkt_solve" and built[0] == "kkt_solve"
+    del built[:]
+    kept = plan((4096,) * 8, 8, kept_states=True)  # every state kept: nothing to recompute
+    assert kept.recompute is None and kept.BV_h is None and "walk64" not in built
+    del built[:]
+    pieces = plan((32768,), 8, checkpoints=True, maps=True)  # a forward that split: its maps, no MAPS walk
+    assert pieces.split and pieces.map_walk is None and pieces.ends_walk is not None
+    del built[:]
+    own_maps = plan((32768,), 8, checkpoints=False)  # the backward's own split: its MAPS walk forms the maps
+    assert own_maps.split and own_maps.map_walk is not None and own_maps.BV_maps in BLOCK_V_CHOICES
+    assert not plan((32768,), 8, auto_cp=False).split  # auto_cp off walks whole

@@ -213,7 +213,7 @@ def test_chunk_grads_independent_of_block_count(case_id, monkeypatch):
 
     def backward(blocks):
         if blocks is not None:
-            monkeypatch.setattr(backward_module, "multiprocessors", lambda device: blocks)
+            patch_planner(monkeypatch, "multiprocessors", lambda device: blocks, backward_module)
         return flash_qla.chunk_gated_delta_rule_bwd(
             x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu
         )
@@ -353,7 +353,7 @@ def test_split_backward_matches_whole_walk(case, with_dht, forced, poisoned, mon
     dht = _randn((_num_seqs(case), case.heads[1], 128, 128), torch.float32, seed + 2) if with_dht else None
     g_cum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu)
     if forced:
-        monkeypatch.setattr(backward_module, "splits_forward", lambda *args: True)
+        patch_planner(monkeypatch, "splits_forward", lambda *args: True, backward_module)
     splits = record_calls(monkeypatch, backward_module, "split_backward_walk")
     got = {}
     for split in (True, False):

@@ -46,7 +46,15 @@ Reads like flash_qla/reference/backward_stages.py:
      validation read; flash_qla.ops.context_parallel.split_backward_walk);
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel.
+
+What a call decides from its shapes and options alone (the route, the V-tile widths, the kernels) is
+decided once per shapes and options (backward_plan), as the forward's (flash_qla.ops.forward.forward_plan).
 """
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -108,37 +116,106 @@ def backward_kernels(
         )  # fmt: skip
 
 
+class BackwardPlan(NamedTuple):
+    """What a backward decides from its shapes and options alone (backward_plan): the same for every
+    layer of a model step, so decided once. Executables are TileLang's TVM-FFI callables."""
+
+    profile: ArchProfile
+    slots: int  # chunk slots: T // C + N, an upper bound known without a sync
+    kkt: Callable | None  # kkt_solve in backward mode; None when the training forward kept its outputs
+    recompute: Callable | None  # the states-only forward walk; None when the forward kept every state
+    BV_h: int | None  # its V-tile width
+    split: bool  # the backward walk runs over pieces (flash_qla.ops.context_parallel)
+    walk: Callable  # the backward walk: over whole sequences, or over the pieces from their end gradients
+    BV: int  # its V-tile width
+    ends_walk: Callable | None  # split: the walk from zero keeping the pieces' start gradients (ENDS_ONLY)
+    map_walk: Callable | None  # split without the forward's maps: the MAPS walk forming them
+    BV_maps: int | None  # its V-tile width
+    grads: Callable  # chunk_grads
+    blocks: int  # chunk_grads' persistent blocks
+
+
+@functools.lru_cache(maxsize=256)
+def backward_plan(
+    device, T, seqlens, Hqk, Hv, K, V, dtype, kept_terms, kept_states, has_checkpoints, has_maps, has_h0, has_dht,
+    auto_cp,
+):  # fmt: skip
+    """The BackwardPlan of a backward over these shapes (dtype: q's torch dtype) and what the forward handed
+    over (kept_terms: kkt_solve's P, γ and gates; kept_states: every state; has_checkpoints, has_maps),
+    remembered. Made on every call, the decisions (the split model over every sequence) and the kernel
+    lookups took 13-28 µs of the backward's host time on the H200 (after a training forward, GPU idle:
+    2/8 8x4096 166-180 -> 150-153 µs, 16/32 1x2048 155-160 -> 137-146; benchmark/NOTES.md v40). A new
+    seqlens pattern is planned afresh."""
+    profile = get_profile(device)
+    C = profile.chunk
+    N = len(seqlens)
+    name = DTYPE_NAMES[dtype]
+    slots = T // C + N
+    kkt = None if kept_terms else executable(kkt_solve_kernel(Hqk, Hv, K, name, profile, "float32", True))
+    recompute = BV_h = None
+    if not kept_states:
+        # the empty pieces past the last (a checkpointed walk has room for N + slots // checkpoint_chunks)
+        # exit at once: the width is chosen for the pieces that walk
+        walks = checkpoint_pieces_expected(N, T, profile) if has_checkpoints else N
+        BV_h = choose_block_v(walks, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+        has_start = has_checkpoints or has_h0
+        recompute = executable(walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, name, profile, has_start, True, True))
+    # a training forward that split hands its maps over: the same pieces then (its planner's decision,
+    # from the same lengths)
+    split = has_maps or (auto_cp and splits_forward(seqlens, Hv, V, profile))
+    ends_walk = map_walk = BV_maps = None
+    if split:
+        pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
+        BV = choose_block_v(pieces, Hv, V, profile)
+        walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, True, has_h0)
+        ends_walk = executable(backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, False, True, True))
+        if not has_maps:  # the forward did not split: its MAPS walk forms them
+            BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+            map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True, False, True)
+            map_walk = executable(map_walk)
+    else:
+        BV = choose_block_v(N, Hv, V, profile)
+        walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_dht, has_h0)
+    grads = executable(chunk_grads_kernel(Hqk, Hv, K, V, name, profile))
+    blocks = min(multiprocessors(device), slots * Hqk)  # persistent: one block an SM
+    return BackwardPlan(
+        profile, slots, kkt, recompute, BV_h, split, executable(walk), BV, ends_walk, map_walk, BV_maps, grads, blocks
+    )
+
+
 def _backward_kernels(
     q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp,
     chunk_terms,
 ):  # fmt: skip
-    profile = get_profile(q.device)
-    C = profile.chunk
     _, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    N = cu_seqlens.numel() - 1
-    dtype = DTYPE_NAMES[q.dtype]
+    N = len(seqlens)
+    states = None if chunk_terms is None else chunk_terms[3]
+    has_dht, has_h0 = dht is not None, initial_state is not None
+    plan = backward_plan(
+        q.device, T, seqlens, Hqk, Hv, K, V, q.dtype, chunk_terms is not None, states is not None,
+        checkpoints is not None, maps is not None, has_h0, has_dht, auto_cp,
+    )  # fmt: skip
+    profile, slots = plan.profile, plan.slots
+    C = profile.chunk
     beta_dtype, g_dtype = beta.dtype, torch.float32 if g_cum is None else g_cum.dtype
     q, k, v = (x[0].contiguous() for x in (q, k, v))
     do, A = (x[0].to(q.dtype).contiguous() for x in (do, A))
     cu_seqlens = cu_seqlens.contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
-    slots = T // C + N  # upper bound of the number of chunks, known without a sync
     chunks = chunk_table(cu_seqlens, C, slots)
     placeholder = buffers.placeholder(q.device, Hv, K, V)
     f32 = torch.float32
 
     # 1. P and chunk-major γ, unless the (training) forward kept its own
-    states = None
     if chunk_terms is not None:
-        P, gamma, gates, states = chunk_terms
+        P, gamma, gates, _ = chunk_terms
     else:
         gamma = buffers.new((Hv, slots, C), f32, q)
         gates = buffers.new((Hv, slots, 2, C), f32, q)
         P = buffers.new((T, Hv, C), q.dtype, q)
         g_cum = g_cum[0].to(f32).contiguous()
-        kkt = kkt_solve_kernel(Hqk, Hv, K, dtype, profile, "float32", True)  # backward mode: β is not read
-        executable(kkt)(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
+        plan.kkt(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
 
     # 2. states at every chunk start (the final state is a by-product; o is not computed), over
     # the sequences or, from the forward's checkpoints, over pieces of them. On a second stream,
@@ -153,15 +230,8 @@ def _backward_kernels(
         h = buffers.new((slots, Hv, K, V), q.dtype, q)
         if checkpoints is None:
             walks, firsts = cu_seqlens, chunk_offsets
-            BV_h = choose_block_v(N, Hv, V, profile, RECOMPUTE_CHUNK_COST)
         else:
             walks, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, profile.checkpoint_chunks)
-            # the empty pieces past the last (walks has room for N + slots // checkpoint_chunks)
-            # exit at once: the width is chosen for the pieces that walk
-            pieces = checkpoint_pieces_expected(N, T, profile)
-            BV_h = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
-        has_start = checkpoints is not None or initial_state is not None
-        fused = walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, dtype, profile, has_start, True, True)
         ht = torch.empty(walks.numel() - 1, Hv, K, V, dtype=f32, device=q.device)
         beside = side_stream(q.device)
         beside.wait_stream(main)
@@ -173,40 +243,28 @@ def _backward_kernels(
             else:  # kept by chunk (flash_qla.ops.forward.checkpoint_rows)
                 h0 = checkpoints.index_select(0, rows)
             # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
-            executable(fused)(
-                q, k, v, walk_gate(BV_h, gamma, gates), A, P, walks, firsts,
+            plan.recompute(
+                q, k, v, walk_gate(plan.BV_h, gamma, gates), A, P, walks, firsts,
                 placeholder if h0 is None else h0.contiguous(), v, ht, h, scale,
             )  # fmt: skip
 
     # 3. state gradients, backward in time, over the sequences or over pieces of them
     dh = buffers.new((slots, Hv, K, V), q.dtype, q)
     dv = buffers.new_like(v)
-    has_dht, has_h0 = dht is not None, initial_state is not None
     dht = dht.to(f32).contiguous() if has_dht else None
-    # a training forward that split hands its maps over: the same pieces then (its planner's
-    # decision, from the same lengths)
-    if maps is not None or (auto_cp and splits_forward(seqlens, Hv, V, profile)):
-        pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
-        BV = choose_block_v(pieces, Hv, V, profile)
-        walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, has_h0)
-        ends_walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, False, True, True)
-        if maps is None:  # the forward did not split: its MAPS walk forms them
-            BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
-            map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
+    if plan.split:
+        if plan.map_walk is not None:  # the forward did not split: its MAPS walk forms the maps
             maps = maps_of_pieces(
-                executable(map_walk), walk_gate(BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, scale,
-                profile,
-            )  # fmt: skip
+                plan.map_walk, walk_gate(plan.BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, scale, profile
+            )
         dh0 = split_backward_walk(
-            executable(walk), executable(ends_walk), maps, walk_gate(BV, gamma, gates), q, k, do, A, P, cu_seqlens,
+            plan.walk, plan.ends_walk, maps, walk_gate(plan.BV, gamma, gates), q, k, do, A, P, cu_seqlens,
             slots, seqlens, scale, dht, dh, dv, has_h0, profile,
         )  # fmt: skip
     else:
-        BV = choose_block_v(N, Hv, V, profile)
         dh0 = buffers.new((N, Hv, K, V), f32, q) if has_h0 else placeholder
-        walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, has_dht, has_h0)
-        executable(walk)(
-            q, k, do, walk_gate(BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
+        plan.walk(
+            q, k, do, walk_gate(plan.BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
             placeholder if dht is None else dht, dh, dv, dh0, scale,
         )  # fmt: skip
 
@@ -215,9 +273,7 @@ def _backward_kernels(
         main.wait_stream(beside)
     dq, dk = buffers.new_like(q), buffers.new_like(k)
     dbeta, dg = buffers.new((T, Hv), f32, q), buffers.new((T, Hv), f32, q)
-    grads = chunk_grads_kernel(Hqk, Hv, K, V, dtype, profile)
-    blocks = min(multiprocessors(q.device), slots * Hqk)  # persistent: one block an SM
-    executable(grads)(q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, scale, slots, blocks)
+    plan.grads(q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, scale, slots, plan.blocks)
 
     return (
         dq[None],

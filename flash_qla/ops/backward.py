@@ -151,6 +151,7 @@ def backward_plan(
     N = len(seqlens)
     name = DTYPE_NAMES[dtype]
     slots = T // C + N
+    # backward mode (the last flag): β is not read, g_cum stands in for it
     kkt = None if kept_terms else executable(kkt_solve_kernel(Hqk, Hv, K, name, profile, "float32", True))
     recompute = BV_h = None
     if not kept_states:

@@ -354,24 +354,27 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
     factory = _recording_factory(built)
     monkeypatch.setattr(backward, "get_profile", lambda device: SM90)
     monkeypatch.setattr(backward, "multiprocessors", lambda device: 132)
-    for name in ("kkt_solve", "chunk_grads", "fused_bwd", "fused_bwd_wide"):
+    for name in ("kkt_solve", "fused_bwd", "fused_bwd_wide"):
         monkeypatch.setattr(backward, f"{name}_kernel", factory(name))
+    # chunk_grads recorded with the dtype it stores dβ in, its last argument
+    monkeypatch.setattr(backward, "chunk_grads_kernel", lambda *args: factory(f"chunk_grads {args[-1]}")())
     monkeypatch.setattr(backward, "walk_kernel", lambda BV: factory(f"walk{BV}"))
     monkeypatch.setattr(backward, "backward_walk_kernel", lambda BV: factory(f"backward_walk{BV}"))
     monkeypatch.setattr(backward, "executable", lambda kernel: f"launch {kernel}")
     backward.backward_plan.cache_clear()
 
-    def plan(seqlens, Hv, kept_terms=True, kept_states=False, checkpoints=False, maps=False, auto_cp=True):
+    def plan(seqlens, Hv, kept_terms=True, kept_states=False, checkpoints=False, maps=False, auto_cp=True,
+             beta_dtype=torch.bfloat16):  # fmt: skip
         return backward.backward_plan(
-            torch.device("cuda", 0), sum(seqlens), seqlens, 2, Hv, 128, 128, torch.bfloat16, kept_terms,
+            torch.device("cuda", 0), sum(seqlens), seqlens, 2, Hv, 128, 128, torch.bfloat16, beta_dtype, kept_terms,
             kept_states, checkpoints, maps, False, True, auto_cp,
         )  # fmt: skip
 
     training = plan((4096,) * 8, 8)  # 2/8 8x4096 after a training forward: recompute, whole walk, chunk_grads
-    assert plan((4096,) * 8, 8) is training and built == ["walk64", "backward_walk64", "chunk_grads"]
+    assert plan((4096,) * 8, 8) is training and built == ["walk64", "backward_walk64", "chunk_grads bfloat16"]
     assert training.kkt is None and training.recompute == "launch walk64" and training.BV_h == 64
     assert (training.split, training.BV, training.walk) == (False, 64, "launch backward_walk64")
-    assert training.grads == "launch chunk_grads" and training.blocks == 132 and training.ends_walk is None
+    assert training.grads == "launch chunk_grads bfloat16" and training.blocks == 132 and training.ends_walk is None
     assert training.slots == 8 * 4096 // 64 + 8
     del built[:]
     low_level = plan((4096,) * 8, 8, kept_terms=False)  # the low-level backward forms P, γ and gates
@@ -386,3 +389,6 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
     own_maps = plan((32768,), 8, checkpoints=False)  # the backward's own split: its MAPS walk forms the maps
     assert own_maps.split and own_maps.map_walk is not None and own_maps.BV_maps in BLOCK_V_CHOICES
     assert not plan((32768,), 8, auto_cp=False).split  # auto_cp off walks whole
+    del built[:]
+    fp32_beta = plan((4096,) * 8, 8, beta_dtype=torch.float32)  # chunk_grads stores dβ in β's dtype
+    assert fp32_beta is not training and built == ["walk64", "backward_walk64", "chunk_grads float32"]

@@ -75,8 +75,8 @@ KERNELS = [
     ("fused_bwd_wide_ends_only", fused_bwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, True, True), ("wgmma_rs", "tma_load")),
     ("compose_maps_reverse", compose_maps_kernel, (8, 128, 128, SM90, False, True), ("wgmma",)),
     ("compose_maps_reverse_dht", compose_maps_kernel, (8, 128, 128, SM90, True, True), ("wgmma",)),
-    # every tile by cp.async, waited for at its first use
-    ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs")),
+    # every tile by cp.async, waited for at its first use; dβ stored in β's dtype (bf16 here)
+    ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async_gs")),
     # an inference forward at 64 columns: kkt_solve without P (only K Kᵀ on wgmma), the walk with the O path on two
     # warpgroups of its own (registers moved by setmaxnreg; o, Sᵀ and v_newᵀ staged by stmatrix, Vᵀ read by ldmatrix;
     # o stored by TMA)
@@ -319,7 +319,7 @@ def test_chunk_grads_barriers():
     whose barriers each stalled the block's 8 warps) and the kernel keeps its 15 block-wide barriers:
     10 a v-head, 5 where an item's dq and dk are staged (benchmark/NOTES.md v27: 48 a v-head cost ~5 %
     of a training step)."""
-    source = chunk_grads_kernel(16, 32, 128, 128, "bfloat16", SM90).get_kernel_source()
+    source = chunk_grads_kernel(16, 32, 128, 128, "bfloat16", SM90, "bfloat16").get_kernel_source()
     reductions = re.findall(r"AllReduce<tl::SumOp, (\d+),", source)
     assert reductions and all(int(threads) <= 32 for threads in reductions), reductions
     assert source.count("__syncthreads()") <= 15
@@ -351,8 +351,8 @@ def test_precompile_lists_every_backward_kernel():
     # kkt_solve in backward mode; for every V-tile width the states-only walk with and without h0
     # (from the checkpoints or the sequences' starts), the forward walk keeping checkpoints with
     # and without h0, the backward walk with and without dht / dh0 and the split backward's
-    # offsets walk; the reverse composition with and without dht; chunk_grads
-    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2 + 1
+    # offsets walk; the reverse composition with and without dht; chunk_grads storing dβ in q's dtype and in fp32
+    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2 + 2
     assert not set(builds) & set(forward_kernel_builds(SM90, 16, 32, "bfloat16"))
 
 

@@ -69,6 +69,7 @@ from flash_qla.ops.forward import (
     DTYPE_NAMES,
     RECOMPUTE_CHUNK_COST,
     WIDE_BLOCK_V,
+    beta_kernel_dtype,
     checkpoint_pieces_expected,
     choose_block_v,
     splits_forward,
@@ -131,16 +132,17 @@ class BackwardPlan(NamedTuple):
     ends_walk: Callable | None  # split: the walk from zero keeping the pieces' start gradients (ENDS_ONLY)
     map_walk: Callable | None  # split without the forward's maps: the MAPS walk forming them
     BV_maps: int | None  # its V-tile width
-    grads: Callable  # chunk_grads
+    grads: Callable  # chunk_grads (dβ stored in the beta_dtype the plan was made for)
     blocks: int  # chunk_grads' persistent blocks
 
 
 @functools.lru_cache(maxsize=256)
 def backward_plan(
-    device, T, seqlens, Hqk, Hv, K, V, dtype, kept_terms, kept_states, has_checkpoints, has_maps, has_h0, has_dht,
-    auto_cp,
+    device, T, seqlens, Hqk, Hv, K, V, dtype, beta_dtype, kept_terms, kept_states, has_checkpoints, has_maps, has_h0,
+    has_dht, auto_cp,
 ):  # fmt: skip
-    """The BackwardPlan of a backward over these shapes (dtype: q's torch dtype) and what the forward handed
+    """The BackwardPlan of a backward over these shapes (dtype: q's torch dtype; beta_dtype: dβ's in the kernel,
+    flash_qla.ops.forward.beta_kernel_dtype's) and what the forward handed
     over (kept_terms: kkt_solve's P, γ and gates; kept_states: every state; has_checkpoints, has_maps),
     remembered. Made on every call, the decisions (the split model over every sequence) and the kernel
     lookups took 13-28 µs of the backward's host time on the H200 (after a training forward, GPU idle:
@@ -177,7 +179,7 @@ def backward_plan(
     else:
         BV = choose_block_v(N, Hv, V, profile)
         walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_dht, has_h0)
-    grads = executable(chunk_grads_kernel(Hqk, Hv, K, V, name, profile))
+    grads = executable(chunk_grads_kernel(Hqk, Hv, K, V, name, profile, DTYPE_NAMES.get(beta_dtype, "float32")))
     blocks = min(multiprocessors(device), slots * Hqk)  # persistent: one block an SM
     return BackwardPlan(
         profile, slots, kkt, recompute, BV_h, split, executable(walk), BV, ends_walk, map_walk, BV_maps, grads, blocks
@@ -193,8 +195,9 @@ def _backward_kernels(
     N = len(seqlens)
     states = None if chunk_terms is None else chunk_terms[3]
     has_dht, has_h0 = dht is not None, initial_state is not None
+    dbeta_dtype = beta_kernel_dtype(beta, q)
     plan = backward_plan(
-        q.device, T, seqlens, Hqk, Hv, K, V, q.dtype, chunk_terms is not None, states is not None,
+        q.device, T, seqlens, Hqk, Hv, K, V, q.dtype, dbeta_dtype, chunk_terms is not None, states is not None,
         checkpoints is not None, maps is not None, has_h0, has_dht, auto_cp,
     )  # fmt: skip
     profile, slots = plan.profile, plan.slots
@@ -273,14 +276,14 @@ def _backward_kernels(
     if beside is not None:
         main.wait_stream(beside)
     dq, dk = buffers.new_like(q), buffers.new_like(k)
-    dbeta, dg = buffers.new((T, Hv), f32, q), buffers.new((T, Hv), f32, q)
+    dbeta, dg = buffers.new((T, Hv), dbeta_dtype, q), buffers.new((T, Hv), f32, q)
     plan.grads(q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, scale, slots, plan.blocks)
 
     return (
         dq[None],
         dk[None],
         dv[None],
-        dbeta.to(beta_dtype)[None],
+        dbeta.to(beta_dtype)[None],  # a conversion only where β has neither q's dtype nor fp32
         dg.to(g_dtype)[None],
         dh0 if has_h0 else None,
     )
@@ -303,5 +306,5 @@ def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, 
         # the pieces' offsets of a split backward walk (its maps are the forward's MAPS walk)
         builds.append((backward_walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, True, True)))
     builds += [(compose_maps_kernel, (Hv, K, V, profile, has_dht, True)) for has_dht in (False, True)]
-    builds.append((chunk_grads_kernel, (Hqk, Hv, K, V, dtype, profile)))
+    builds += [(chunk_grads_kernel, (Hqk, Hv, K, V, dtype, profile, bd)) for bd in (dtype, "float32")]
     return builds

@@ -47,7 +47,11 @@ Inputs (packed varlen, T tokens in all):
                (flash_qla.ops.chunks; 0 tokens past the last chunk)
 Outputs:
     dq, dk     [T, Hqk, K]   input dtype
-    dbeta, dg  [T, Hv]       fp32
+    dbeta      [T, Hv]       beta_dtype: β's when it has q's dtype, fp32 otherwise (rounded
+               once, from the fp32 sum, where it is stored: bitwise what a conversion kernel after
+               gave, one launch and a [T, Hv] fp32 buffer less; training step 2/8 8x4096 665.6 ->
+               663.9 µs, 16/32 1x2048 264.5 -> 260.3; benchmark/NOTES.md v41)
+    dg         [T, Hv]       fp32
 
 Schedule: persistent, one block of `grads_threads` threads (two warpgroups) per SM
 (`blocks`); block b takes the items (chunk slot, qk-head) b, b + blocks, ..., slot-major, so the
@@ -118,8 +122,9 @@ LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: ArchProfile):
-    """Compile (or load from TileLang's cache) the chunk gradients for one static config."""
+def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: ArchProfile, beta_dtype: str):
+    """Compile (or load from TileLang's cache) the chunk gradients for one static config; beta_dtype: dβ's
+    (flash_qla.ops.forward.beta_kernel_dtype's name)."""
     C = profile.chunk
     GROUPS = Hv // Hqk
     assert K % C == 0, "⟨S, dS'⟩ folds K rows onto C"
@@ -199,7 +204,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
         chunk_table: T.Tensor([n_slots, 2], "int32"),
         dq: T.Tensor([tokens, Hqk, K], dtype),
         dk: T.Tensor([tokens, Hqk, K], dtype),
-        dbeta: T.Tensor([tokens, Hv], accum),
+        dbeta: T.Tensor([tokens, Hv], beta_dtype),
         dg: T.Tensor([tokens, Hv], accum),
         scale: T.float32,
         slots: T.int32,
@@ -432,7 +437,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         T.sync_threads()  # dO, dU and U's tile are read for the last time
                         for i in T.Parallel(C):
                             if i < valid:
-                                dbeta[t0 + i, ih] = db_s[i, 0] + db_s[i, 1]
+                                dbeta[t0 + i, ih] = T.cast(db_s[i, 0] + db_s[i, 1], beta_dtype)
                         n_ok, n_slot, n_t0, n_ih = next_vhead(hg, slot, t0, ih, item + blocks, next_t0, next_valid)
                         if n_ok:
                             if hg + 1 == GROUPS:  # q and k are read for the last time too

@@ -7,7 +7,9 @@ import torch
 from gpu_cases import CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
-from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces, first_pieces
+from flash_qla.ops.chunks import (
+    checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces, first_pieces, sequence_pieces,
+)  # fmt: skip
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
     RECOMPUTE_CHUNK_COST,
@@ -190,6 +192,14 @@ def test_checkpoint_pieces(seqlens, every):
     firsts = [sum(s < start for s in starts) for start in cu.tolist()]
     assert first_pieces(cu, SM90.chunk, slots, every).tolist() == firsts
     assert count_pieces(seqlens, SM90.chunk, every) == n
+    # the rows a split walk gathers each sequence's final state (last piece) and dh0 (first piece) from,
+    # in range for every sequence; a zero-length sequence takes its passthrough instead of its row
+    first, last = (x.tolist() for x in sequence_pieces(cu, SM90.chunk, slots, every))
+    rows_in = bounds.shape[0] - 1
+    assert all(0 <= r < rows_in for r in first + last)
+    for seq, length in enumerate(seqlens):
+        if length:
+            assert (first[seq], last[seq]) == (firsts[seq], firsts[seq + 1] - 1)
     assert checkpoint_rows(slots, len(seqlens), SM90) == slots // SM90.checkpoint_chunks + 1 + len(seqlens)
 
 

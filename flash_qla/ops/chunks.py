@@ -76,6 +76,16 @@ def first_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int) -
     return torch.searchsorted(bounds[:-1], cu_seqlens, out_int32=True)
 
 
+@cache_last
+def sequence_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int):
+    """(first, last) [N] int32: the index of each sequence's first and last piece of checkpoint_pieces,
+    to gather per-sequence states from per-piece ones (a zero-length sequence has none: an index in
+    range whose row it does not use). On the device, no sync."""
+    seq_pieces = first_pieces(cu_seqlens, chunk, slots, every)
+    n = checkpoint_pieces(cu_seqlens, chunk, slots, every)[0].numel() - 1
+    return seq_pieces[:-1].clamp(max=n - 1), (seq_pieces[1:] - 1).clamp_(min=0)
+
+
 def count_pieces(seqlens, chunk: int, every: int) -> int:
     """The number of non-empty pieces of checkpoint_pieces, from the sequence lengths (host ints):
     a sequence's first chunk starts one, and so does each global chunk m · every after it."""

@@ -45,7 +45,7 @@ within 1.3e-3 of the whole walk's. H200 (benchmark/NOTES.md v14): the low-level 
 import torch
 
 from flash_qla.ops import buffers
-from flash_qla.ops.chunks import checkpoint_pieces, first_pieces
+from flash_qla.ops.chunks import checkpoint_pieces, first_pieces, sequence_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.launch import executable
 
@@ -67,10 +67,12 @@ def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, pro
 
 def _pieces(cu_seqlens, slots, profile):
     """A split walk's tables: checkpoint_pieces' bounds and firsts, first_pieces' rows of each
-    sequence, and n, the pieces counted (an upper bound: the pieces past the last are empty)."""
+    sequence, n, the pieces counted (an upper bound: the pieces past the last are empty), and
+    sequence_pieces' first and last piece of each sequence (all derived from cu_seqlens once)."""
     C, E = profile.chunk, profile.checkpoint_chunks
     bounds, firsts, _ = checkpoint_pieces(cu_seqlens, C, slots, E)
-    return bounds, firsts, first_pieces(cu_seqlens, C, slots, E), bounds.numel() - 1
+    seq_pieces = first_pieces(cu_seqlens, C, slots, E)
+    return bounds, firsts, seq_pieces, bounds.numel() - 1, *sequence_pieces(cu_seqlens, C, slots, E)
 
 
 def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
@@ -102,7 +104,7 @@ def split_walk(
     """
     _, Hv, V = v.shape
     K = q.shape[-1]
-    bounds, firsts, seq_pieces, n = _pieces(cu_seqlens, slots, profile)
+    bounds, firsts, seq_pieces, n, _, last_rows = _pieces(cu_seqlens, slots, profile)
     f32 = torch.float32
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     b = buffers.new((n, Hv, K, V), f32, v)
@@ -117,7 +119,7 @@ def split_walk(
     ends = buffers.new((n, Hv, K, V), f32, v)
     walk(q, k, v, walk_gate, A, P, bounds, firsts, starts, o, ends, placeholder if h is None else h, scale)
     # each sequence's last piece ends at its final state
-    final_state = _per_sequence(ends, (seq_pieces[1:] - 1).clamp_(min=0), seq_pieces, seqlens, initial_state)
+    final_state = _per_sequence(ends, last_rows, seq_pieces, seqlens, initial_state)
     return o, final_state, starts
 
 
@@ -137,7 +139,7 @@ def split_backward_walk(
     """
     _, Hv, V = dv.shape
     K = q.shape[-1]
-    bounds, firsts, seq_pieces, n = _pieces(cu_seqlens, slots, profile)
+    bounds, firsts, seq_pieces, n, first_rows, _ = _pieces(cu_seqlens, slots, profile)
     f32 = torch.float32
     placeholder = buffers.placeholder(dv.device, Hv, K, V)
     offsets = buffers.new((n, Hv, K, V), f32, dv)
@@ -151,4 +153,4 @@ def split_backward_walk(
     if not store_dh0:
         return None
     # each sequence's first piece starts at dh0 (a zero-length one passes dht through)
-    return _per_sequence(starts, seq_pieces[:-1].clamp(max=n - 1), seq_pieces, seqlens, dht)
+    return _per_sequence(starts, first_rows, seq_pieces, seqlens, dht)

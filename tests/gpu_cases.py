@@ -92,19 +92,25 @@ def case_inputs(case, seed):
     B, T = case.dense if case.dense else (1, sum(case.seqlens))
     Hqk, Hv = case.heads
     x = make_inputs(B, T, Hqk, Hv, 128, 128, dtype=case.dtype, device="cuda", seed=seed)
+    # the case's own draws come from seed too (on the CPU, as make_inputs'): a failure reproduces
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def draw(sample, like, dtype=None):
+        return sample(like.shape, generator=gen, dtype=dtype or like.dtype).to(like.device)
+
     if case.gate == "weak":
-        x["g"] = -0.001 * (1 + 0.1 * torch.rand_like(x["g"]))
+        x["g"] = -0.001 * (1 + 0.1 * draw(torch.rand, x["g"]))
     elif case.gate == "strong":  # A_log = log 16, dt = 0.1
-        x["g"] = -16 * F.softplus(torch.randn_like(x["g"]) + math.log(math.expm1(0.1)))
+        x["g"] = -16 * F.softplus(draw(torch.randn, x["g"]) + math.log(math.expm1(0.1)))
     if case.extra.get("beta_fp32"):
-        x["beta"] = torch.sigmoid(torch.randn_like(x["beta"], dtype=torch.float32))
+        x["beta"] = torch.sigmoid(draw(torch.randn, x["beta"], torch.float32))
     if case.extra.get("use_qk_l2norm_in_kernel"):
         x["q"], x["k"] = x["q"] * 3, x["k"] * 0.5  # not unit norm: the kernel path must normalise
     N = B if case.dense else len(case.seqlens)
     cu = None
     if not case.dense:
         cu = torch.tensor([0, *torch.tensor(case.seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    h0 = torch.randn(N, Hv, 128, 128, device="cuda") if case.h0 else None
+    h0 = torch.randn(N, Hv, 128, 128, generator=gen).cuda() if case.h0 else None
     return x, cu, h0
 
 

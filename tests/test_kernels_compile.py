@@ -325,6 +325,20 @@ def test_chunk_grads_barriers():
     assert source.count("__syncthreads()") <= 15
 
 
+def test_a_kernel_asked_for_in_any_spelling_is_built_once():
+    """The factories key on the configuration, not on how the call spells it (flash_qla.ops.launch.kernel_factory):
+    flags by position, by keyword or left to their defaults give the one kernel, built once."""
+    before = compose_maps_kernel.cache_info().misses
+    kernel = compose_maps_kernel(8, 128, 128, SM90, False)
+    assert compose_maps_kernel(8, 128, 128, SM90, HAS_S0=False) is kernel
+    assert compose_maps_kernel(8, 128, 128, SM90, False, False) is kernel
+    assert compose_maps_kernel(Hv=8, K=128, V=128, profile=SM90, HAS_S0=False, REVERSE=False) is kernel
+    assert compose_maps_kernel(8, 128, 128, SM90, False, True) is not kernel
+    assert compose_maps_kernel.cache_info().misses - before <= 2  # this test's two configurations, at most
+    with pytest.raises(TypeError):
+        compose_maps_kernel(8, 128, 128, SM90, False, REVERSE=False, UNKNOWN=True)
+
+
 def test_precompile_lists_every_forward_kernel():
     builds = forward_kernel_builds(SM90, 16, 32, "bfloat16")
     assert {f.__name__ for f, _ in builds} == {

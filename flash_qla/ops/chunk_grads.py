@@ -110,18 +110,16 @@ One exchange per result through shared memory took 76 barriers a v-head, batched
 within 1.1e-5 and dg 2.5e-7 (relative: the sums' order changed).
 """
 
-import functools
-
 import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
 
 LOG2E = 1.4426950408889634
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: ArchProfile, beta_dtype: str):
     """Compile (or load from TileLang's cache) the chunk gradients for one static config; beta_dtype: dβ's
     (flash_qla.ops.forward.beta_kernel_dtype's name)."""

@@ -38,18 +38,16 @@ with D converted here from fp32 M, each piece's loads waited for, took 80 µs at
 (benchmark/NOTES.md v13).
 """
 
-import functools
-
 import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
 
 BV = 32  # V-tile width: 4 blocks a head at V = 128
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: bool, REVERSE: bool = False):
     """Compile (or load from TileLang's cache) the composition of the pieces' maps for one config.
 

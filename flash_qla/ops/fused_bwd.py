@@ -45,12 +45,11 @@ read from shared memory element by element, each load waited behind the previous
 which the compiler may not reorder (the walk 0.734 -> 0.659 ms at 16/32 8x4096; NOTES.md v9).
 """
 
-import functools
-
 import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
+from flash_qla.ops.launch import kernel_factory
 
 LOG2E = 1.4426950408889634
 # elements of padding per row of the dv staging tile (the o tile's pattern in fused_fwd:
@@ -58,7 +57,7 @@ LOG2E = 1.4426950408889634
 DV_PAD = 8
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def fused_bwd_kernel(
     Hqk: int,
     Hv: int,

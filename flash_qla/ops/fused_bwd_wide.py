@@ -42,14 +42,12 @@ element by element, a warp's 2-byte stores touched 8 rows of dh 256 bytes apart:
 which is swizzled so that a warp's reads hit distinct banks.
 """
 
-import functools
-
 import tilelang
 import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
     STAGE_PAD,
@@ -60,7 +58,7 @@ from flash_qla.ops.staging import (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def fused_bwd_wide_kernel(
     Hqk: int,
     Hv: int,

@@ -61,12 +61,11 @@ so nothing of the next sequence's rows that the tile loads reaches S, and their 
 o are not stored.
 """
 
-import functools
-
 import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
+from flash_qla.ops.launch import kernel_factory
 
 LOG2E = 1.4426950408889634
 # elements of padding per row of the o staging tile: the accumulator's 4-byte stores of a
@@ -75,7 +74,7 @@ LOG2E = 1.4426950408889634
 O_PAD = 8
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def fused_fwd_kernel(
     Hqk: int,
     Hv: int,

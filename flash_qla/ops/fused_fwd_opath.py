@@ -72,15 +72,13 @@ planner picks 128 columns, this walk at 64 is slower (16/32, 8/32, 4/16, 16/64, 
 +2.4 % to +3.6 %, measured before V's read moved, v38 step 3).
 """
 
-import functools
-
 import tilelang
 import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 from tilelang.transform import PassConfigKey
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
 from flash_qla.ops.staging import load_transposed, stage_rows
 
 LOG2E = 1.4426950408889634
@@ -92,7 +90,7 @@ O_BARRIER = 10  # named barriers of the O warpgroups' stagings: 10 and 11
 REGS_LOADS, REGS_O, REGS_CHAIN = 24, 120, 240
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: ArchProfile, HAS_H0: bool):
     """Compile (or load from TileLang's cache) the O-path walk for one static config."""
     C = profile.chunk

@@ -49,14 +49,12 @@ training forward that keeps the states (KEEP_H: h in the input dtype beside o); 
 STORE_H alone and the checkpoints are still stored element by element from the registers.
 """
 
-import functools
-
 import tilelang
 import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
     STAGE_PAD,
@@ -67,7 +65,7 @@ from flash_qla.ops.staging import (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def fused_fwd_wide_kernel(
     Hqk: int,
     Hv: int,

@@ -82,13 +82,11 @@ thread reads its four columns of β once for A's read-out. Against the masked sc
 -> 0.076 at 2/8, outputs bitwise equal (v20 step 6).
 """
 
-import functools
-
 import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
 
 LOG2E = 1.4426950408889634
 DIAG = 8  # diagonal blocks inverted by forward substitution
@@ -99,7 +97,7 @@ PAD = 8  # floats of padding per row of the fp32 shared matrices (banks: the mod
 P_PAD = 8
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def kkt_solve_kernel(
     Hqk: int,
     Hv: int,

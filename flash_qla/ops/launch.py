@@ -1,4 +1,5 @@
-"""Launching the compiled TileLang kernels: the least host work, and the next kernel's start early.
+"""Building and launching the TileLang kernels: one build per configuration, the least host work per
+launch, and the next kernel's start early.
 
 A JITKernel's `__call__` goes through TileLang's torch adapter, which rebuilds the argument
 list and looks for outputs to allocate on every launch. Our kernels allocate nothing (every
@@ -10,6 +11,7 @@ checks (dtype, shape, device, contiguity), 2-4 µs sooner per launch on the H200
 
 import contextlib
 import functools
+import inspect
 
 import tilelang.language as T
 import torch
@@ -21,6 +23,34 @@ def on_device(device: torch.device):
     """A context that makes device current for the launches: torch.cuda.device(device), or nothing
     to enter when it is current already (the usual case; ~1.5 µs of host time less)."""
     return _NOTHING if device.index == torch.cuda.current_device() else torch.cuda.device(device)
+
+
+def kernel_factory(build):
+    """Decorate a kernel factory build(config...) -> JITKernel: one kernel per configuration, however its
+    arguments are spelled.
+
+    functools.lru_cache keys on the call as spelled: a flag passed by position in one place and by keyword,
+    or left to its default, in another would build the same kernel twice, the second time as a hit of
+    TileLang's own memory cache (after tracing the kernel's source again, and with a warning in the
+    caller's log). Each spelling is remembered; a new one is bound to build's signature, defaults filled
+    in, and looked up by that. `cache_info()` counts the configurations built.
+    """
+    signature = inspect.signature(build)
+    built = functools.lru_cache(maxsize=None)(build)
+    spellings = {}
+
+    @functools.wraps(build)
+    def factory(*args, **kwargs):
+        key = (args, *kwargs.items())
+        kernel = spellings.get(key)
+        if kernel is None:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            kernel = spellings[key] = built(*bound.args)
+        return kernel
+
+    factory.cache_info = built.cache_info
+    return factory
 
 
 @functools.lru_cache(maxsize=None)

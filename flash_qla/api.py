@@ -130,10 +130,11 @@ def chunk_gated_delta_rule(
         with a gradient to compute also where only its backward gains, e.g. 16/32 at one
         sequence of 32768) in pieces of 32 chunks that run in parallel, each from its exact start state
         (DESIGN.md §1's exact route: o and final_state agree with the unsplit walk within
-        rounding). With a gradient to compute, the GPU forward keeps the state every 32
-        chunks (fp32, [T / 2048 + N, Hv, K, V] per call, saved for the backward) when long
-        sequences over few heads would leave the backward's state recompute with too few
-        blocks (and whenever the forward split: the pieces' start states are those states),
+        rounding; the walks that find the start states leave out the chunks whose effect the gates
+        decay below 2^-24 of a state, flash_qla.ops.context_parallel). With a gradient to compute,
+        the GPU forward keeps the state every 32 chunks (fp32, [T / 2048 + N, Hv, K, V] per call,
+        saved for the backward) when long sequences over few heads would leave the backward's
+        state recompute with too few blocks (and whenever the forward split: the pieces' start states are those states),
         and the backward restarts it from them in parallel pieces. Where the forward splits its
         sequences, the backward walk of the gradients splits them too (the same maps, walked
         backward in time).

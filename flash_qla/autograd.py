@@ -28,8 +28,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         P, gamma, gates, states = chunk_terms if chunk_terms is not None else (None, None, None, None)
         if chunk_terms is not None:
             g_cum = None
+        D, log_norms = maps if maps is not None else (None, None)
         ctx.save_for_backward(
-            q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints, maps, P, gamma, gates, states
+            q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints, D, log_norms, P, gamma, gates, states
         )  # fmt: skip
         ctx.set_materialize_grads(False)
         ctx.scale = scale
@@ -39,9 +40,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints, maps, P, gamma, gates, states = (
+        q, k, v, g_cum, beta, A, initial_state, cu_seqlens, checkpoints, D, log_norms, P, gamma, gates, states = (
             ctx.saved_tensors
         )
+        maps = (D, log_norms) if D is not None else None
         chunk_terms = (P, gamma, gates, states) if P is not None else None
         if do is None:  # only final_state reached the loss
             do = torch.zeros_like(v)

@@ -64,7 +64,8 @@ def _forward(
         (flash_qla.ops.forward.keeps_checkpoints, checkpoint_rows) or, when the walk split (maps
         given), every piece's start state in the pieces' order (flash_qla.ops.context_parallel).
     maps : for _backward, or None: when a training forward walked its sequence in pieces, the
-        pieces' maps (flash_qla.ops.context_parallel), which the backward walk's split reuses.
+        pieces' maps D and kkt_solve's bounds log_norms (flash_qla.ops.context_parallel), which the
+        backward walk's split reuses.
     chunk_terms : for _backward, or None: when training on the GPU, kkt_solve's P, γ and gates
         (flash_qla.ops.kkt_solve) and, with keep_states, the states at every chunk start (else
         None), which the backward then takes instead of computing them again.

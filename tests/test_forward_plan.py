@@ -350,7 +350,7 @@ def test_forward_plan_decided_once_per_shapes_and_options(monkeypatch):
     assert inference.kkt == "launch kkt_solve" and inference.walk == "launch fused_fwd_opath"
     assert inference.slots == 8 * 4096 // 64 + 8 and len(inference.specs) == 4
     training = plan((4096,) * 8, 8, training=True)  # P kept for the backward
-    assert built[2:] == ["kkt_solve", "fused_fwd_wide"] and len(training.specs) == 5 and not training.opath
+    assert built[2:] == ["kkt_solve", "fused_fwd_wide"] and len(training.specs) == 6 and not training.opath
     pieces = plan((32768,), 8)  # split: the pieces' walks are looked up per call
     assert pieces.split and pieces.walk is None and built[4:] == ["kkt_solve"]
 

@@ -377,10 +377,13 @@ def test_split_backward_matches_whole_walk(case, with_dht, forced, poisoned, mon
     assert all(err <= GRAD_TOL for err in errors.values()), errors
 
 
-def test_split_training_matches_reference(poisoned, monkeypatch):
+@pytest.mark.parametrize("gate", ["model", "strong"])
+def test_split_training_matches_reference(gate, poisoned, monkeypatch):
     """Training with the forward split forced over several sequences: the forward hands its maps
-    to the backward, whose walk splits the same pieces; every gradient vs the reference."""
-    case = Case("split_train_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True)
+    and kkt_solve's bounds to the backward, whose walk splits the same pieces; every gradient vs the
+    reference. Strong gates leave most of the map, offset and end walks out
+    (flash_qla.ops.context_parallel), model gates some."""
+    case = Case(f"split_train_varlen_h0_{gate}_gate", (5000, 0, 70, 9000), heads=(2, 8), h0=True, gate=gate)
     seed = zlib.crc32(case.id.encode())
     x, cu, h0 = case_inputs(case, seed)
     do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
@@ -391,6 +394,7 @@ def test_split_training_matches_reference(poisoned, monkeypatch):
     got = _grads(flash_qla_gdr, inputs, do, dht, cu_seqlens=cu)
     want = _grads(reference_gdr, {name: t.float() for name, t in inputs.items()}, do, dht, cu_seqlens=cu)
     assert len(split_walks) == 1 and isinstance(split_walks[0][2], torch.Tensor), "the forward's maps were handed over"
+    assert (split_walks[0][-2] < 0).any(), "and kkt_solve's bounds (log_norms), not the zeros of a backward alone"
     errors = {name: rel_l2(got[name], want[name]) for name in want}
     print(case.id, {name: f"{err:.2e}" for name, err in errors.items()})
     for name in want:

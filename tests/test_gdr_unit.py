@@ -138,37 +138,134 @@ def test_split_forward_matches_whole_walk(case, poisoned, monkeypatch):
         assert rel_l2(got, whole) <= 2 * FWD_TOL, (name, rel_l2(got, whole))
 
 
+@pytest.mark.parametrize("BV", [32, 64], ids=["narrow", "wide"])  # fused_fwd / fused_bwd and their _wide twins
+def test_split_walks_leave_out_the_chunks_log_norms_show_negligible(BV):
+    """The prologues of the split's map, offset and end walks (flash_qla.ops.negligible), run with
+    made-up log_norms: in each piece, the even v-heads have one chunk j whose bound is −100 (far
+    below ln 2^-24), the odd ones none (all 0: nothing negligible). Then, bit for bit:
+    - MAPS: the even heads' M is negligible, D = −I; the odd heads' D as with no bound at all;
+    - offsets: the even heads walk chunks j.. from 0: b as the walk of the piece that starts at j;
+    - ends: the even heads walk back over chunks j..0: b' as the walk of the piece cut after j.
+    Two sequences, pieces of 32 chunks and shorter ones, j at different places per piece."""
+    from flash_qla.arch import get_profile
+    from flash_qla.ops.backward import backward_walk_kernel
+    from flash_qla.ops.buffers import placeholder
+    from flash_qla.ops.chunks import checkpoint_pieces, chunk_table
+    from flash_qla.ops.forward import walk_gate, walk_kernel
+    from flash_qla.ops.kkt_solve import kkt_solve_kernel
+
+    case = Case("split_walk_skips", (4796, 3000), heads=(2, 8))
+    (Hqk, Hv), C, K = case.heads, 64, 128
+    x, cu, _ = case_inputs(case, seed=17)
+    profile = get_profile(cu.device)
+    E, T, scale = profile.checkpoint_chunks, sum(case.seqlens), K**-0.5
+    slots = T // C + len(case.seqlens)
+    q, k, v = (x[n][0].contiguous() for n in ("q", "k", "v"))
+    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(18)).to(v)
+    g_cum, gamma, gates = torch.empty(T, Hv, device="cuda"), torch.empty(Hv, slots, C, device="cuda"), torch.empty(Hv, slots, 2, C, device="cuda")
+    A, P = torch.empty(T, Hv, C, dtype=q.dtype, device="cuda"), torch.empty(T, Hv, C, dtype=q.dtype, device="cuda")
+    kkt = kkt_solve_kernel(Hqk, Hv, K, "bfloat16", profile, "float32")
+    g, beta = x["g"][0].float().contiguous(), x["beta"][0].float().contiguous()
+    kkt(q, k, g, beta, chunk_table(cu, C, slots), g_cum, gamma, gates, A, P, torch.empty(Hv, slots, device="cuda"), slots)
+    gate = walk_gate(BV, gamma, gates)
+    none = placeholder(q.device, Hv, K, K)
+    maps = walk_kernel(BV)(Hqk, Hv, K, K, BV, "bfloat16", profile, False, False, True, False, True)
+    offsets = walk_kernel(BV)(Hqk, Hv, K, K, BV, "bfloat16", profile, False, False, True)
+    ends = backward_walk_kernel(BV)(Hqk, Hv, K, K, BV, "bfloat16", profile, False, True, True)
+    dh, dv = torch.empty(slots, Hv, K, K, dtype=q.dtype, device="cuda"), torch.empty_like(v)  # not written (ENDS_ONLY)
+
+    def walk(kind, log_norms, bounds, firsts):
+        out = torch.full((bounds.numel() - 1, Hv, K, 2 * K if kind == "maps" else K), float("nan"), device="cuda")
+        if kind == "maps":
+            out = out.bfloat16()
+            maps(q, k, v, gate, A, P, bounds, firsts, log_norms, none, v, out, none, scale)
+        elif kind == "offsets":
+            offsets(q, k, v, gate, A, P, bounds, firsts, log_norms, none, v, out, none, scale)
+        else:
+            ends(q, k, do, gate, A, P, bounds, firsts, log_norms, none, dh, dv, out, scale)
+        return out
+
+    bounds, firsts, _ = checkpoint_pieces(cu, C, slots, E)
+    sizes = (bounds[1:] - bounds[:-1]).tolist()
+    pieces = [p for p, size in enumerate(sizes) if size > 0]
+    count = {p: -(-sizes[p] // C) for p in pieces}
+    assert [count[p] for p in pieces] == [32, 32, 11, 21, 26], "full pieces, a sequence's last, one starting mid-way"
+    # the negligible chunk of each piece: inside, a partial piece's last (a partial chunk), first, last
+    j = dict(zip(pieces, (3, 10, 10, 0, 25)))
+    exact, made_up = torch.zeros(Hv, slots, device="cuda"), torch.zeros(Hv, slots, device="cuda")
+    for p in pieces:
+        made_up[0::2, firsts[p] + j[p]] = -100.0
+    even, odd = slice(0, Hv, 2), slice(1, Hv, 2)
+    minus_identity = torch.cat([-torch.eye(K), torch.zeros(K, K)], dim=-1).to(q.device, torch.bfloat16)
+
+    for kind in ("maps", "offsets", "ends"):
+        whole, skipped = walk(kind, exact, bounds, firsts), walk(kind, made_up, bounds, firsts)
+        for p in pieces:
+            b0, b1, f = bounds[p].item(), bounds[p + 1].item(), firsts[p].item()
+            assert torch.equal(skipped[p, odd], whole[p, odd]), (kind, p, "a head with nothing negligible")
+            if kind == "maps":
+                assert not torch.equal(whole[p, even], minus_identity.expand(Hv // 2, K, 2 * K)), (kind, p)
+                want = minus_identity.expand(Hv // 2, K, 2 * K)
+            elif kind == "offsets":  # the piece from chunk j
+                piece = torch.tensor([b0 + j[p] * C, b1], dtype=torch.int32, device="cuda")
+                want = walk(kind, exact, piece, torch.tensor([f + j[p], 0], dtype=torch.int32, device="cuda"))[0, even]
+            else:  # the piece up to chunk j
+                piece = torch.tensor([b0, min(b1, b0 + (j[p] + 1) * C)], dtype=torch.int32, device="cuda")
+                want = walk(kind, exact, piece, torch.tensor([f, 0], dtype=torch.int32, device="cuda"))[0, even]
+            assert torch.isfinite(skipped[p].float()).all(), (kind, p, "unwritten (NaN) elements")
+            assert torch.equal(skipped[p, even], want), (kind, p, j[p], (skipped[p, even].float() - want.float()).abs().max())
+            if (kind == "offsets" and j[p] > 0) or (kind == "ends" and j[p] < count[p] - 1):  # not nothing left out
+                assert not torch.equal(whole[p, even], want), (kind, p)
+
+
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("has_s0", [False, True])
-@pytest.mark.parametrize("decay", [0.9, 1e-3], ids=["keeps", "forgets"])
+@pytest.mark.parametrize("decay", [0.9, 1e-3, "bounded"], ids=["keeps", "forgets", "bounded"])
 def test_compose_maps_gives_every_start_state(has_s0, decay, reverse):
     """S_0 = s0, S_{j+1} = M_j S_j + b_j over each sequence's pieces, against a float64 loop; maps
     that forget the state (M ≈ 0) included, where one bf16 product would leave the rounding of S
-    behind. Reverse (the backward's): the pieces last to first, each map transposed."""
+    behind. Reverse (the backward's): the pieces last to first, each map transposed. Bounded: the
+    pieces' chunk bounds (made-up log_norms, −100 on one chunk of every third piece of the even heads)
+    say M_j is negligible there: S_{j+1} = b_j, although the M_j drawn is not (the products left out)."""
     from flash_qla.arch import get_profile
     from flash_qla.ops.buffers import placeholder
     from flash_qla.ops.compose_maps import compose_maps_kernel
 
-    counts, Hv, K = (5, 0, 12), 8, 128  # pieces of each sequence: 17 in all, the second has none
+    counts, Hv, K, C = (5, 0, 12), 8, 128, 64  # pieces of each sequence: 17 in all, the second has none
     n, N = sum(counts), len(counts)
     first_pieces = torch.tensor([0, 5, 5, 17], dtype=torch.int32, device="cuda")
     gen = torch.Generator().manual_seed(3)
-    M = (decay * torch.eye(K) + torch.randn(n, Hv, K, K, generator=gen) * (0.1 * decay / K**0.5)).cuda()
+    scale = 0.9 if decay == "bounded" else decay
+    M = (scale * torch.eye(K) + torch.randn(n, Hv, K, K, generator=gen) * (0.1 * scale / K**0.5)).cuda()
     b = torch.randn(n, Hv, K, K, generator=gen).cuda()
     s0 = torch.randn(N, Hv, K, K, generator=gen).cuda() if has_s0 else None
     starts = torch.full((n, Hv, K, K), float("nan"), device="cuda")
+    # pieces of 1 to 32 chunks, one after another
+    chunks = torch.randint(1, 33, (n,), generator=gen)
+    first_chunks = torch.cat([torch.zeros(1, dtype=torch.int64), chunks.cumsum(0)]).to(torch.int32)
+    bounds = first_chunks * C - torch.cat([torch.zeros(n, dtype=torch.int32), torch.tensor([10], dtype=torch.int32)])
+    log_norms = torch.zeros(Hv, int(first_chunks[-1]))
+    negligible = torch.zeros(n, Hv, dtype=torch.bool)
+    if decay == "bounded":
+        for j in range(0, n, 3):
+            log_norms[0::2, first_chunks[j] + (j % int(chunks[j]))] = -100.0
+            negligible[j, 0::2] = True
     # D = M − I as the maps' walk writes it: rounded to bf16 (hi), beside the rest (lo)
     d = M - torch.eye(K, device="cuda")
     hi = d.bfloat16()
     D = torch.cat([hi, (d - hi.float()).bfloat16()], dim=-1)
     kernel = compose_maps_kernel(Hv, K, K, get_profile(M.device), has_s0, reverse)
-    kernel(D, b, first_pieces, s0 if has_s0 else placeholder(M.device, Hv, K, K), starts)
+    kernel(
+        D, b, first_pieces, bounds.cuda(), first_chunks.cuda(), log_norms.cuda(),
+        s0 if has_s0 else placeholder(M.device, Hv, K, K), starts,
+    )  # fmt: skip
     for seq in range(N):
         S = s0[seq].double() if has_s0 else torch.zeros(Hv, K, K, dtype=torch.float64, device="cuda")
         pieces = range(first_pieces[seq].item(), first_pieces[seq + 1].item())
         for j in reversed(pieces) if reverse else pieces:
             assert rel_l2(starts[j], S.float()) <= COMPOSE_TOL, (seq, j, rel_l2(starts[j], S.float()))
             S = (M[j].mT if reverse else M[j]).double() @ S + b[j].double()
+            S[negligible[j]] = b[j, negligible[j]].double()
 
 
 def test_kkt_gates_are_the_gate_exponentials():
@@ -191,7 +288,8 @@ def test_kkt_gates_are_the_gate_exponentials():
     kkt = kkt_solve_kernel(Hqk, Hv, 128, "bfloat16", get_profile(x["q"].device), "float32")
     q, k = x["q"][0].contiguous(), x["k"][0].contiguous()
     g, beta = x["g"][0].float().contiguous(), x["beta"][0].float().contiguous()
-    kkt(q, k, g, beta, chunk_table(cu, C, slots), g_cum, gamma, gates, A, P, slots)
+    log_norms = poisoned_buffer(Hv, slots)
+    kkt(q, k, g, beta, chunk_table(cu, C, slots), g_cum, gamma, gates, A, P, log_norms, slots)
 
     valid = torch.cat([(n - torch.arange(0, n, C)).clamp(max=C) for n in seqlens if n > 0]).cuda()  # tokens per chunk
     chunks = valid.numel()
@@ -202,6 +300,64 @@ def test_kkt_gates_are_the_gate_exponentials():
     zero = torch.zeros((), device="cuda")
     torch.testing.assert_close(gates[:, :chunks, 0], torch.where(inside, gam.exp(), zero), rtol=GATES_TOL, atol=0)
     torch.testing.assert_close(gates[:, :chunks, 1], torch.where(inside, (gam_last - gam).exp(), zero), rtol=GATES_TOL, atol=0)
+
+
+# kkt_solve's log_norms against the same sums in float64: its fp32 cumsum of γ over 64 gates
+# (|γ_L| up to ~100 under strong gates: ulps of 1e-5 relative) and fp32 β ‖k‖²
+LOG_NORMS_RTOL, LOG_NORMS_ATOL = 1e-5, 1e-4
+# the bound against the exact transitions' norms (float64 SVD of float64 products): both float64
+BOUND_TOL = 1e-6
+
+
+def test_kkt_log_norms_bound_each_chunk_transition():
+    """kkt_solve's log_norms L_c = γ_L + Σ_t ln max(1, |1 − β_t ‖k_t‖²|) (flash_qla.ops.context_parallel)
+    under strong gates, with tokens that grow the state (v-heads 2-7: β up to 2.5, ‖k_t‖ up to 1.5)
+    and heads whose tokens do not (0-1: β ≤ 2, ‖k_t‖ < 1): equal to that sum in float64, which is at
+    least the log of the norm of each chunk's exact transition T_c = Π_t e^{g_t} (I − β_t k_t k_tᵀ)
+    and equal to it where no token grows the state (64 tokens leave directions of the 128 that no
+    k_t touches: ‖Π_t (I − β_t k_t k_tᵀ)‖ = 1)."""
+    from flash_qla.arch import get_profile
+    from flash_qla.ops.chunks import chunk_table
+    from flash_qla.ops.kkt_solve import kkt_solve_kernel
+
+    seqlens, (Hqk, Hv), C = (1, 63, 64, 65, 130, 700), (2, 8), 64
+    T, slots = sum(seqlens), sum(seqlens) // C + len(seqlens)
+    x, cu, _ = case_inputs(Case("log_norms", seqlens, heads=(Hqk, Hv), gate="strong"), seed=13)
+    gen = torch.Generator().manual_seed(14)
+    k_scale = 0.5 + torch.rand(T, Hqk, 1, generator=gen) * torch.tensor([0.49, 1.0]).view(1, Hqk, 1)
+    beta_max = torch.tensor([2.0] * 2 + [2.5] * (Hv - 2))
+    k = (x["k"][0].float() * k_scale.cuda()).bfloat16().contiguous()
+    beta = (beta_max * torch.rand(T, Hv, generator=gen)).cuda()
+    q, g = x["q"][0].contiguous(), x["g"][0].float().contiguous()
+
+    def poisoned_buffer(*shape, dtype=torch.float32):
+        return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+    g_cum, gamma, gates = poisoned_buffer(T, Hv), poisoned_buffer(Hv, slots, C), poisoned_buffer(Hv, slots, 2, C)
+    A, P = (poisoned_buffer(T, Hv, C, dtype=q.dtype) for _ in range(2))
+    log_norms = poisoned_buffer(Hv, slots)
+    kkt = kkt_solve_kernel(Hqk, Hv, 128, "bfloat16", get_profile(q.device), "float32")
+    kkt(q, k, g, beta, chunk_table(cu, C, slots), g_cum, gamma, gates, A, P, log_norms, slots)
+
+    chunks = [(s, min(C, b + n - s)) for b, n in zip(cu[:-1].tolist(), seqlens) for s in range(b, b + n, C)]
+    kh = k.double().repeat_interleave(Hv // Hqk, dim=1)  # [T, Hv, K]
+    want, exact = (torch.empty(Hv, len(chunks), dtype=torch.float64, device="cuda") for _ in range(2))
+    grows = torch.empty(Hv, len(chunks), dtype=torch.bool, device="cuda")
+    for c, (t0, valid) in enumerate(chunks):
+        kc, bc, gc = kh[t0 : t0 + valid], beta[t0 : t0 + valid].double(), g[t0 : t0 + valid].double()
+        growth = (1 - bc * (kc * kc).sum(-1)).abs().log().clamp_min(0)  # [valid, Hv]
+        want[:, c] = gc.sum(0) + growth.sum(0)
+        grows[:, c] = (growth > 0).any(0)
+        prod = torch.eye(128, dtype=torch.float64, device="cuda").repeat(Hv, 1, 1)
+        for t in range(valid):  # the chunk's first token acts first
+            kt = kc[t].unsqueeze(-1)  # [Hv, K, 1]
+            prod = prod - bc[t].view(Hv, 1, 1) * kt @ (kt.mT @ prod)
+        exact[:, c] = torch.linalg.matrix_norm(prod, ord=2).log() + gc.sum(0)
+    assert not grows[:2].any() and grows[2:].any(), "both kinds of head drawn"
+    torch.testing.assert_close(log_norms[:, : len(chunks)].double(), want, rtol=LOG_NORMS_RTOL, atol=LOG_NORMS_ATOL)
+    assert (exact <= want + BOUND_TOL).all(), (exact - want).max()
+    tight = (exact - want).abs()[~grows]
+    assert (tight <= BOUND_TOL).all(), tight.max()
 
 
 def test_inference_calls_share_scratch_by_stream(monkeypatch):

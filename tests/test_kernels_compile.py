@@ -66,6 +66,7 @@ KERNELS = [
     # a split walk's pieces: M from I with V = 0 (MAPS), b from 0; no o, no h
     ("fused_fwd_maps", fused_fwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, False, True, False, True), ("wgmma", "tma_load")),
     ("fused_fwd_wide_maps", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True, False, True), ("wgmma_rs", "tma_load")),
+    ("fused_fwd_offsets", fused_fwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, False, True), ("wgmma", "tma_load")),
     ("fused_fwd_wide_offsets", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True), ("wgmma_rs", "tma_load")),
     # a split walk's composition of the pieces' maps, with and without an initial state
     ("compose_maps", compose_maps_kernel, (8, 128, 128, SM90, False), ("wgmma",)),
@@ -98,7 +99,8 @@ NO_LOCAL_MEMORY = (
     "kkt_solve", "fused_fwd_bv32_h0_h", "fused_fwd_bv16", "fused_bwd_bv32_dht_dh0", "fused_bwd_bv16_dht",
     "fused_fwd_wide_bv64_h0_h", "fused_fwd_wide_h0_h", "fused_fwd_wide_states_only", "fused_bwd_wide_bv64_dht",
     "fused_bwd_wide_dht_dh0", "chunk_grads", "fused_fwd_keep_h", "fused_fwd_wide_keep_h", "kkt_solve_without_p",
-    "fused_fwd_opath",
+    "fused_fwd_opath", "fused_fwd_maps", "fused_fwd_wide_maps", "fused_fwd_offsets", "fused_fwd_wide_offsets",
+    "fused_bwd_ends_only", "fused_bwd_wide_ends_only",
 )  # fmt: skip
 
 
@@ -145,6 +147,9 @@ def test_maps_walks_read_only_what_they_need(factory, BV):
     assert "v_desc" in offsets and "v_desc" not in maps
     reads_h0 = re.compile(r"\bh0\s*[\[+]")
     assert reads_h0.search(recompute) and not reads_h0.search(maps)
+    # the two map walks take their skips from kkt_solve's bounds (flash_qla.ops.negligible); no other walk reads them
+    reads_bounds = re.compile(r"\blog_norms\s*\[")
+    assert reads_bounds.search(offsets) and reads_bounds.search(maps) and not reads_bounds.search(recompute)
 
 
 @pytest.mark.parametrize("factory,BV", [(fused_fwd_kernel, 32), (fused_fwd_wide_kernel, 128)])
@@ -234,6 +239,9 @@ def test_ends_only_backward_walks_store_only_dh0(factory, BV):
 
         assert writes(full), name
         assert writes(ends) == (name == "dh0"), name
+    # the end walk takes its skip from kkt_solve's bounds (flash_qla.ops.negligible), the full walk none
+    reads_bounds = re.compile(r"\blog_norms\s*\[")
+    assert reads_bounds.search(ends) and not reads_bounds.search(full)
 
 
 # the last integer argument of each TVM-FFI call in a kernel's host code; the kernel launch's

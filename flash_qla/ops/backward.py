@@ -209,6 +209,7 @@ def _backward_kernels(
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
     chunks = chunk_table(cu_seqlens, C, slots)
     placeholder = buffers.placeholder(q.device, Hv, K, V)
+    unbounded = buffers.no_bounds(q.device, Hv)  # the walks' log_norms where their flags say it is not read
     f32 = torch.float32
 
     # 1. P and chunk-major γ, unless the (training) forward kept its own
@@ -219,7 +220,8 @@ def _backward_kernels(
         gates = buffers.new((Hv, slots, 2, C), f32, q)
         P = buffers.new((T, Hv, C), q.dtype, q)
         g_cum = g_cum[0].to(f32).contiguous()
-        plan.kkt(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, slots)  # g_cum stands in for β
+        unused = buffers.new((Hv, slots), f32, q)  # log_norms: not formed in backward mode
+        plan.kkt(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, unused, slots)  # g_cum stands in for β
 
     # 2. states at every chunk start (the final state is a by-product; o is not computed), over
     # the sequences or, from the forward's checkpoints, over pieces of them. On a second stream,
@@ -248,7 +250,7 @@ def _backward_kernels(
                 h0 = checkpoints.index_select(0, rows)
             # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
             plan.recompute(
-                q, k, v, walk_gate(plan.BV_h, gamma, gates), A, P, walks, firsts,
+                q, k, v, walk_gate(plan.BV_h, gamma, gates), A, P, walks, firsts, unbounded,
                 placeholder if h0 is None else h0.contiguous(), v, ht, h, scale,
             )  # fmt: skip
 
@@ -258,18 +260,23 @@ def _backward_kernels(
     dht = dht.to(f32).contiguous() if has_dht else None
     if plan.split:
         if plan.map_walk is not None:  # the forward did not split: its MAPS walk forms the maps
-            maps = maps_of_pieces(
-                plan.map_walk, walk_gate(plan.BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, scale, profile
-            )
+            # no decay bound here (kkt_solve's backward mode forms none): every chunk walked
+            log_norms = torch.zeros(Hv, slots, device=q.device)
+            D = maps_of_pieces(
+                plan.map_walk, walk_gate(plan.BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, scale,
+                log_norms, profile,
+            )  # fmt: skip
+        else:  # a training forward's, with its bounds (its end walk leaves out the chunks they show negligible)
+            D, log_norms = maps
         dh0 = split_backward_walk(
-            plan.walk, plan.ends_walk, maps, walk_gate(plan.BV, gamma, gates), q, k, do, A, P, cu_seqlens,
-            slots, seqlens, scale, dht, dh, dv, has_h0, profile,
+            plan.walk, plan.ends_walk, D, walk_gate(plan.BV, gamma, gates), q, k, do, A, P, cu_seqlens,
+            slots, seqlens, scale, dht, dh, dv, has_h0, log_norms, profile,
         )  # fmt: skip
     else:
         dh0 = buffers.new((N, Hv, K, V), f32, q) if has_h0 else placeholder
         plan.walk(
             q, k, do, walk_gate(plan.BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
-            placeholder if dht is None else dht, dh, dv, dh0, scale,
+            unbounded, placeholder if dht is None else dht, dh, dv, dh0, scale,
         )  # fmt: skip
 
     # 4. chunk gradients, once the states are there

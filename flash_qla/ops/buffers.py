@@ -38,6 +38,15 @@ def placeholder(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
     return _placeholders[key]
 
 
+def no_bounds(device: torch.device, Hv: int) -> torch.Tensor:
+    """The walks' log_norms [Hv, 1] fp32 where their flags say it is not read (every walk but the
+    split's map, offset and end walks, flash_qla.ops.context_parallel)."""
+    key = (device, Hv)
+    if key not in _placeholders:
+        _placeholders[key] = torch.zeros(Hv, 1, dtype=torch.float32, device=device)
+    return _placeholders[key]
+
+
 # (device index, raw stream, thread) -> (specs, buffers) of the last call there
 _scratch: dict = {}
 

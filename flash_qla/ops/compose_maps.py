@@ -12,6 +12,9 @@ dS_end = 0): with J pieces,
     X_0 = s0 (dht, or 0),   X_{r+1} = X_r + D_jᵀ X_r + b_j,   j = J − 1 − r,
 
 writing X_r, the gradient of the state at the end of piece j, in row j.
+Where kkt_solve's bounds show a piece's M negligible (flash_qla.ops.negligible.map_negligible,
+the test its map walk made before writing D = −I), S + D S + b is b (X + Dᵀ X + b likewise): the
+products are left out, and S (X) is b.
 The product runs on the tensor cores in three bf16 products, D_hi S_hi +
 D_hi S_lo + D_lo S_hi (x = x_hi + x_lo, each half rounded to bf16), with an fp32 accumulator:
 about 16 bits of each operand, where one bf16 product keeps 8 and loses the state when the map
@@ -24,6 +27,9 @@ Inputs:
     b       [pieces, Hv, K, V] fp32
     first_pieces [N + 1] int32: sequence n's pieces are rows first_pieces[n] .. first_pieces[n + 1] − 1
             (flash_qla.ops.chunks.first_pieces; rows past the last are never read)
+    bounds, first_chunks [pieces + 1] int32: the pieces' token bounds and first global chunks
+            (flash_qla.ops.chunks.checkpoint_pieces)
+    log_norms [Hv, slots] fp32: kkt_solve's bounds on the chunks' transitions (zeros: nothing negligible)
     s0      [N, Hv, K, V] fp32 (read when HAS_S0)
 Outputs:
     starts  [pieces, Hv, K, V] fp32 (REVERSE: the pieces' end-state gradients)
@@ -43,6 +49,7 @@ import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
+from flash_qla.ops.negligible import map_negligible
 
 BV = 32  # V-tile width: 4 blocks a head at V = 128
 
@@ -56,6 +63,8 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
     pieces = T.dynamic("pieces")
     n_seqs = T.dynamic("n_seqs")
     n_s0 = T.dynamic("n_s0")  # N, or 1 for the placeholder when not HAS_S0
+    n_slots = T.dynamic("n_slots")
+    C = profile.chunk
     f32, bf16 = "float32", "bfloat16"
 
     @T.prim_func
@@ -63,6 +72,9 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
         D: T.Tensor([pieces, Hv, K, 2 * K], bf16),
         b: T.Tensor([pieces, Hv, K, V], f32),
         first_pieces: T.Tensor([n_seqs + 1], "int32"),
+        bounds: T.Tensor([pieces + 1], "int32"),
+        first_chunks: T.Tensor([pieces + 1], "int32"),
+        log_norms: T.Tensor([Hv, n_slots], f32),
         s0: T.Tensor([n_s0, Hv, K, V], f32),
         starts: T.Tensor([pieces, Hv, K, V], f32),
     ):
@@ -88,13 +100,17 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
                 T.copy(D[j, ih, :, K:2 * K], d_lo)
                 T.copy(b[j, ih, :, v0:v0 + BV], b_s)
                 T.copy(S, starts[j, ih, :, v0:v0 + BV])
-                for i, c in T.Parallel(K, BV):
-                    s_hi[i, c] = S[i, c]
-                    s_lo[i, c] = S[i, c] - T.cast(T.cast(S[i, c], bf16), f32)
-                for i, c in T.Parallel(K, BV):
-                    S[i, c] = S[i, c] + b_s[i, c]
-                T.gemm(d_hi, s_hi, S, transpose_A=REVERSE)
-                T.gemm(d_hi, s_lo, S, transpose_A=REVERSE)
-                T.gemm(d_lo, s_hi, S, transpose_A=REVERSE)
+                chunks = T.ceildiv(bounds[j + 1] - bounds[j], C)
+                if map_negligible(log_norms, ih, first_chunks[j], chunks):
+                    T.copy(b_s, S)
+                else:
+                    for i, c in T.Parallel(K, BV):
+                        s_hi[i, c] = S[i, c]
+                        s_lo[i, c] = S[i, c] - T.cast(T.cast(S[i, c], bf16), f32)
+                    for i, c in T.Parallel(K, BV):
+                        S[i, c] = S[i, c] + b_s[i, c]
+                    T.gemm(d_hi, s_hi, S, transpose_A=REVERSE)
+                    T.gemm(d_hi, s_lo, S, transpose_A=REVERSE)
+                    T.gemm(d_lo, s_hi, S, transpose_A=REVERSE)
 
     return tilelang.compile(compose_maps, target=profile.target)

@@ -1,4 +1,6 @@
-"""Context-parallel walks, exact route (DESIGN.md §1): long sequences over few heads.
+"""Context-parallel walks: long sequences over few heads, walked in pieces (DESIGN.md §1).
+
+The exact route, shortened where the gates decay.
 
 A single sequence gives the forward walk Hv · V / BV chains of all its chunks (2/8 at 32768
 tokens: 64 chains of 512 chunks, half the SMs idle). Here the sequence is cut into pieces of
@@ -40,6 +42,31 @@ last piece first, into every piece's end gradient, and the backward walk runs ov
 from them (dh, dv of every chunk; dh0 is the first piece's start gradient). Gradients
 within 1.3e-3 of the whole walk's. H200 (benchmark/NOTES.md v14): the low-level backward 2/8
 1x32768 1.650 -> 1.223 ms, 4/16 1.997 -> 1.797; the training step 2/8 1x32768 1.469 -> 1.000.
+
+Where the gates decay, most of those three extra walks (M, b, b') is negligible, and left out
+(DESIGN.md §1's gate-driven route, on the exact route's walks). A token maps the state by
+e^{g_t} (I − β_t k_t k_tᵀ), whose norm is e^{g_t} max(1, |1 − β_t ‖k_t‖²|), so a chunk's
+transition T_c has ‖T_c‖ ≤ e^{L_c}, L_c = γ_L + Σ_t ln max(1, |1 − β_t ‖k_t‖²|) (kkt_solve's
+log_norms; ‖k_t‖ = 1 and 0 ≤ β_t ≤ 2 make the sum 0), and so does its adjoint. Per piece of
+chunks 1..n and v-head, each walk block decides in its prologue from its piece's L_c
+(flash_qla.ops.negligible):
+  - M = T_n ··· T_1 is negligible when Σ_{c ≤ n} L_c ≤ ln NEGLIGIBLE: the MAPS walk then walks no
+    chunk and starts from 0, not I (D = −I: compose_maps' S + D S + b is b), and compose_maps, which
+    makes the same test (the same warp sum), takes b without its products;
+  - b, walked from 0 over chunks s + 1..n instead of 1..n, leaves out T_n ··· T_{s+1} x_s (x_s
+    the state after chunk s): negligible when Σ_{c > s} L_c ≤ ln NEGLIGIBLE; the offsets walk
+    skips the largest such s first chunks;
+  - b', walked back from 0 over chunks e..1 instead of n..1, leaves out T_1ᵀ ··· T_eᵀ y_e:
+    negligible when Σ_{c ≤ e} L_c ≤ ln NEGLIGIBLE; the end walk skips the n − e last chunks for
+    the least such e.
+"Negligible" is a norm at most NEGLIGIBLE = 2^-24 times a state's, below fp32's rounding of that
+state (the walks round S to the input dtype, 2^-8 of it in bf16, every chunk). Under DESIGN.md
+§4's model gates at 32768 tokens the three walks keep 12.7 %, 28.2 % and 28.2 % of their chunks
+at 16/32, 0 %, 18 % and 18 % at 2/8. H200 (benchmark/NOTES.md v43, against the same code with the
+bounds zeroed): training step 16/32 1x32768 3.189 -> 2.831 ms, 2/8 1x32768 0.885 -> 0.728, forward
+2/8 1x32768 0.292 -> 0.210; results within 1.4e-3 of the walks without skips. The backward's own
+split (no training forward before it) has no bound (kkt_solve forms none in backward mode) and
+walks every chunk.
 """
 
 import torch
@@ -50,18 +77,18 @@ from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.launch import executable
 
 
-def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, profile):
+def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile):
     """D [n, Hv, K, 2 K]: M − I of each of checkpoint_pieces' n pieces (the rows of the empty ones
     past the last unused), as compose_maps reads it, from `maps` (the executable of the forward
     walk's MAPS variant, taking maps_gate; it reads neither v nor h0: v, of o's shape and dtype,
-    and the placeholder stand in)."""
+    and the placeholder stand in); log_norms: kkt_solve's (D = −I where M is negligible; zeros: every chunk walked)."""
     _, Hv, V = v.shape
     K = q.shape[-1]
     assert K == V, "the transition M is walked as a state"
     bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     D = buffers.new((bounds.numel() - 1, Hv, K, 2 * K), torch.bfloat16, v)
-    maps(q, k, v, maps_gate, A, P, bounds, firsts, placeholder, v, D, placeholder, scale)
+    maps(q, k, v, maps_gate, A, P, bounds, firsts, log_norms, placeholder, v, D, placeholder, scale)
     return D
 
 
@@ -87,7 +114,7 @@ def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
 
 def split_walk(
     walk, walk_gate, D, offsets, offsets_gate, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state, h,
-    profile,
+    log_norms, profile,
 ):
     """o, the final states and the pieces' start states of the sequences, walked in pieces.
 
@@ -96,7 +123,7 @@ def split_walk(
     their gate inputs (flash_qla.ops.forward.walk_gate); D: the pieces' maps (maps_of_pieces,
     at offsets' width); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as the forward walk
     takes them; cu_seqlens [N + 1] and the lengths it holds (host ints); initial_state
-    [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None.
+    [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None; log_norms: kkt_solve's.
 
     Returns o [T, Hv, V], final_state [N, Hv, K, V] and starts [n, Hv, K, V]: every piece's start
     state, in checkpoint_pieces' order (a training backward's recompute walks the same pieces from
@@ -110,21 +137,23 @@ def split_walk(
     b = buffers.new((n, Hv, K, V), f32, v)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
     # placeholder stand in
-    offsets(q, k, v, offsets_gate, A, P, bounds, firsts, placeholder, v, b, placeholder, scale)
+    offsets(q, k, v, offsets_gate, A, P, bounds, firsts, log_norms, placeholder, v, b, placeholder, scale)
     starts = buffers.new((n, Hv, K, V), f32, v)
     compose = compose_maps_kernel(Hv, K, V, profile, initial_state is not None)
-    executable(compose)(D, b, seq_pieces, placeholder if initial_state is None else initial_state, starts)
+    executable(compose)(
+        D, b, seq_pieces, bounds, firsts, log_norms, placeholder if initial_state is None else initial_state, starts
+    )
 
     o = buffers.new_like(v)
     ends = buffers.new((n, Hv, K, V), f32, v)
-    walk(q, k, v, walk_gate, A, P, bounds, firsts, starts, o, ends, placeholder if h is None else h, scale)
+    walk(q, k, v, walk_gate, A, P, bounds, firsts, log_norms, starts, o, ends, placeholder if h is None else h, scale)
     # each sequence's last piece ends at its final state
     final_state = _per_sequence(ends, last_rows, seq_pieces, seqlens, initial_state)
     return o, final_state, starts
 
 
 def split_backward_walk(
-    walk, ends_walk, D, gate, q, k, do, A, P, cu_seqlens, slots, seqlens, scale, dht, dh, dv, store_dh0,
+    walk, ends_walk, D, gate, q, k, do, A, P, cu_seqlens, slots, seqlens, scale, dht, dh, dv, store_dh0, log_norms,
     profile,
 ):
     """The backward walk of the sequences in pieces: fills dh and dv, returns dh0.
@@ -134,8 +163,8 @@ def split_backward_walk(
     gradients (ENDS_ONLY), both taking `gate`; D: the pieces' maps (maps_of_pieces, or those of
     a forward that split the same sequences); q, k, do, A, P as the walks take them;
     cu_seqlens [N + 1] and the lengths it holds (host ints); dht [N, Hv, K, V] float32 or None;
-    dh [slots, Hv, K, V], dv [T, Hv, V]: the outputs. Returns dh0 [N, Hv, K, V] float32
-    when store_dh0, else None.
+    dh [slots, Hv, K, V], dv [T, Hv, V]: the outputs; log_norms: kkt_solve's (zeros: every chunk walked). Returns dh0
+    [N, Hv, K, V] float32 when store_dh0, else None.
     """
     _, Hv, V = dv.shape
     K = q.shape[-1]
@@ -143,13 +172,13 @@ def split_backward_walk(
     f32 = torch.float32
     placeholder = buffers.placeholder(dv.device, Hv, K, V)
     offsets = buffers.new((n, Hv, K, V), f32, dv)
-    ends_walk(q, k, do, gate, A, P, bounds, firsts, placeholder, dh, dv, offsets, scale)
+    ends_walk(q, k, do, gate, A, P, bounds, firsts, log_norms, placeholder, dh, dv, offsets, scale)
     # every piece's end gradient; the rows of the empty pieces past the last are read, not used
     ends = buffers.new((n, Hv, K, V), f32, dv)
     compose = compose_maps_kernel(Hv, K, V, profile, dht is not None, True)
-    executable(compose)(D, offsets, seq_pieces, placeholder if dht is None else dht, ends)
+    executable(compose)(D, offsets, seq_pieces, bounds, firsts, log_norms, placeholder if dht is None else dht, ends)
     starts = buffers.new((n, Hv, K, V), f32, dv) if store_dh0 else placeholder
-    walk(q, k, do, gate, A, P, bounds, firsts, ends, dh, dv, starts, scale)
+    walk(q, k, do, gate, A, P, bounds, firsts, log_norms, ends, dh, dv, starts, scale)
     if not store_dh0:
         return None
     # each sequence's first piece starts at dh0 (a zero-length one passes dht through)

@@ -262,7 +262,8 @@ def forward_plan(
     # kkt_solve's outputs: g_cum; γ again, chunk-major, for fused_fwd and fused_fwd_opath; e^γ and e^{γ_L − γ},
     # fused_fwd_wide's and fused_fwd_opath's γ; A; P = Q Kᵀ ⊙ Γ ⊙ Lower (unless the walk forms it)
     specs = ((T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((T, Hv, C), dtype)
-    specs += () if opath else (((T, Hv, C), dtype),)
+    # and, with P, each chunk's log_norms (the split's skips, flash_qla.ops.context_parallel)
+    specs += () if opath else (((T, Hv, C), dtype), ((Hv, slots), f32))
     kkt = kkt_solve_kernel(Hqk, Hv, K, name, profile, DTYPE_NAMES.get(beta_dtype, "float32"), FORM_P=not opath)
     # kept for a backward that recomputes the states, where they pay, and always when the walk split
     # (free then: the pieces' start states); none when every state is kept
@@ -308,8 +309,8 @@ def _forward_kernels(
         P = None
         plan.kkt(k, g, beta, chunks, g_cum, gamma, gates, A, slots)
     else:
-        g_cum, gamma, gates, A, P = outs
-        plan.kkt(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, slots)
+        g_cum, gamma, gates, A, P, log_norms = outs
+        plan.kkt(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, log_norms, slots)
     v = v.squeeze(0).contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
 
@@ -336,13 +337,17 @@ def _forward_kernels(
         map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
         offsets = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True)
         maps_gate = walk_gate(BV_maps, gamma, gates)
-        D = maps_of_pieces(executable(map_walk), maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, profile)
+        # the walks leave out the chunks of each piece whose part of M, b (and the backward's b') the
+        # gates make negligible (log_norms)
+        D = maps_of_pieces(
+            executable(map_walk), maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile
+        )
         o, final_state, starts = split_walk(
             executable(walk), walk_gate(BV, gamma, gates), D, executable(offsets), maps_gate,
-            q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, profile,
+            q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, log_norms, profile,
         )  # fmt: skip
         if training:  # the backward walk and state recompute split the same pieces (flash_qla.ops.backward)
-            maps = D
+            maps = D, log_norms
             if not keep_states:
                 checkpoints = starts
     else:
@@ -362,8 +367,8 @@ def _forward_kernels(
         else:
             states = h if h is not None else checkpoints if checkpoints is not None else placeholder
             plan.walk(
-                q, k, v, walk_gate(plan.BV, gamma, gates), A, P, cu_seqlens, chunk_offsets, h0, o, final_state,
-                states, scale,
+                q, k, v, walk_gate(plan.BV, gamma, gates), A, P, cu_seqlens, chunk_offsets,
+                log_norms, h0, o, final_state, states, scale,
             )  # fmt: skip
     return (
         None if scratch else g_cum[None],

@@ -21,6 +21,9 @@ Inputs (packed varlen, T tokens in all):
     gamma    [Hv, slots, C] fp32, γ chunk-major (kkt_solve)
     A, P     [T, Hv, C]     input dtype (kkt_solve)
     cu_seqlens, chunk_offsets [N+1] int32
+    log_norms [Hv, slots] fp32 (read when ENDS_ONLY) kkt_solve's bound on each chunk's transition
+                            norm: the walk leaves out the chunks it shows negligible
+                            (flash_qla.ops.context_parallel); else any [Hv, x]
     dht      [N, Hv, K, V]  fp32 (read when HAS_DHT)
 Outputs:
     dh       [slots, Hv, K, V] input dtype, dS' of every chunk (slot = global chunk index),
@@ -50,6 +53,7 @@ import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import kernel_factory
+from flash_qla.ops.negligible import kept_first_chunks
 
 LOG2E = 1.4426950408889634
 # elements of padding per row of the dv staging tile (the o tile's pattern in fused_fwd:
@@ -88,6 +92,8 @@ def fused_bwd_kernel(
     n_dht = T.dynamic("n_dht")
     n_dh0 = T.dynamic("n_dh0")
     n_slots = T.dynamic("n_slots")
+    n_bounds = T.dynamic("n_bounds")
+    E = profile.checkpoint_chunks  # a piece's chunks at most
 
     @T.prim_func
     def fused_bwd(
@@ -99,6 +105,7 @@ def fused_bwd_kernel(
         P: T.Tensor([tokens, Hv, C], dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        log_norms: T.Tensor([Hv, n_bounds], accum),
         dht: T.Tensor([n_dht, Hv, K, V], accum),
         dh: T.Tensor([n_slots, Hv, K, V], dtype),
         dv: T.Tensor([tokens, Hv, V], dtype),
@@ -109,7 +116,11 @@ def fused_bwd_kernel(
             ihk = ih // GROUPS
             v0 = iv * BV
             bos = cu_seqlens[n]
-            seqlen = cu_seqlens[n + 1] - bos
+            if ENDS_ONLY:  # the fewest first chunks outside which b' is negligible; the rest left out
+                keep = kept_first_chunks(log_norms, ih, chunk_offsets[n], T.ceildiv(cu_seqlens[n + 1] - bos, C), E)
+                seqlen = T.min(cu_seqlens[n + 1] - bos, keep * C)
+            else:
+                seqlen = cu_seqlens[n + 1] - bos
             first_chunk = chunk_offsets[n]
             n_chunks = T.ceildiv(seqlen, C)
 

@@ -48,6 +48,7 @@ from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
+from flash_qla.ops.negligible import kept_first_chunks
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
     STAGE_PAD,
@@ -90,6 +91,8 @@ def fused_bwd_wide_kernel(
     n_dht = T.dynamic("n_dht")
     n_dh0 = T.dynamic("n_dh0")
     n_slots = T.dynamic("n_slots")
+    n_bounds = T.dynamic("n_bounds")
+    E = profile.checkpoint_chunks  # a piece's chunks at most
 
     store_rows = row_store(BV, C)  # x[t0 : t0 + valid] = Xtᵀ, each warpgroup its own 64 columns
     store_dh = state_store(BV, K)  # dh[c] = dS'ᵀ, each warpgroup its own 64 columns
@@ -104,6 +107,7 @@ def fused_bwd_wide_kernel(
         P: T.Tensor([tokens, Hv, C], dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        log_norms: T.Tensor([Hv, n_bounds], accum),
         dht: T.Tensor([n_dht, Hv, K, V], accum),
         dh: T.Tensor([n_slots, Hv, K, V], dtype),
         dv: T.Tensor([tokens, Hv, V], dtype),
@@ -116,7 +120,11 @@ def fused_bwd_wide_kernel(
             v0 = iv * BV
             tx = T.get_thread_binding()
             bos = cu_seqlens[n]
-            seqlen = cu_seqlens[n + 1] - bos
+            if ENDS_ONLY:  # the fewest first chunks outside which b' is negligible; the rest left out
+                keep = kept_first_chunks(log_norms, ih, chunk_offsets[n], T.ceildiv(cu_seqlens[n + 1] - bos, C), E)
+                seqlen = T.min(cu_seqlens[n + 1] - bos, keep * C)
+            else:
+                seqlen = cu_seqlens[n + 1] - bos
             first_chunk = chunk_offsets[n]
             n_chunks = T.ceildiv(seqlen, C)
 

@@ -27,6 +27,9 @@ Inputs (packed varlen, T tokens in all; `cu_seqlens` [N+1] int32):
                            must start 16-byte aligned, which token-major rows do not)
     A, P     [T, Hv, C]    input dtype (kkt_solve)
     chunk_offsets [N+1]    int32, first global chunk index of each sequence (for h)
+    log_norms [Hv, slots]  fp32 (read by STATES_ONLY without STORE_H: the split's map and offset walks)
+                           kkt_solve's bound on each chunk's transition norm: those walks leave out the
+                           chunks it shows negligible (flash_qla.ops.context_parallel); else any [Hv, x]
     h0       [N, Hv, K, V] fp32 (read when HAS_H0)
 Outputs:
     o        [T, Hv, V]    input dtype
@@ -66,6 +69,7 @@ import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import kernel_factory
+from flash_qla.ops.negligible import skipped_first_chunks
 
 LOG2E = 1.4426950408889634
 # elements of padding per row of the o staging tile: the accumulator's 4-byte stores of a
@@ -104,6 +108,7 @@ def fused_fwd_kernel(
     MAPS (with STATES_ONLY, no h0, no h): a piece's transition M (flash_qla.ops.context_parallel):
     the walk starts from the identity and takes V as 0 (v is not read); ht [N, Hv, K, 2 V]
     bf16 gets D = M − I as compose_maps reads it, rounded to bf16 (hi) beside the rest (lo).
+    Where log_norms show M negligible, it walks no chunk and starts from 0: D = −I.
     """
     assert not (CHECKPOINT and STORE_H), "h holds either every state or the checkpoints"
     assert not MAPS or (STATES_ONLY and not (HAS_H0 or STORE_H or CHECKPOINT)), "MAPS walks from I, keeps the end"
@@ -124,6 +129,10 @@ def fused_fwd_kernel(
     n_h0 = T.dynamic("n_h0")
     n_chunks = T.dynamic("n_chunks")
     n_slots = T.dynamic("n_slots")
+    n_bounds = T.dynamic("n_bounds")
+    # the split's map and offset walks (flash_qla.ops.context_parallel): only the pieces' end
+    # states, from the chunks that move them more than negligibly (kkt_solve's log_norms say which)
+    SKIPS = STATES_ONLY and not STORE_H
 
     @T.macro
     def store_o(O_done, o_s, o, t0, valid, ih, v0):
@@ -144,6 +153,7 @@ def fused_fwd_kernel(
         P: T.Tensor([tokens, Hv, C], dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        log_norms: T.Tensor([Hv, n_bounds], accum),
         h0: T.Tensor([n_h0, Hv, K, V], accum),
         o: T.Tensor([tokens, Hv, V], dtype),
         ht: T.Tensor([n_seqs, Hv, K, ht_cols], ht_dtype),
@@ -153,9 +163,16 @@ def fused_fwd_kernel(
         with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
             ihk = ih // GROUPS
             v0 = iv * BV
-            bos = cu_seqlens[n]
+            if SKIPS:
+                # the piece's first chunks not walked (all of them: none)
+                count = T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
+                skip = skipped_first_chunks(log_norms, ih, chunk_offsets[n], count, E, MAPS)
+                bos = T.min(cu_seqlens[n] + skip * C, cu_seqlens[n + 1])
+                first_chunk = chunk_offsets[n] + skip
+            else:
+                bos = cu_seqlens[n]
+                first_chunk = chunk_offsets[n]
             seqlen = cu_seqlens[n + 1] - bos
-            first_chunk = chunk_offsets[n]
 
             q_s = T.alloc_shared([C, K], dtype)
             k_s = T.alloc_shared([C, K], dtype)
@@ -182,9 +199,9 @@ def fused_fwd_kernel(
 
             if HAS_H0:
                 T.copy(h0[n, ih, :, v0:v0 + BV], S)
-            elif MAPS:  # this tile's columns of I
+            elif MAPS:  # this tile's columns of I; 0 when every chunk is skipped (M negligible)
                 for d, j in T.Parallel(K, BV):
-                    S[d, j] = T.if_then_else(d == v0 + j, 1.0, 0.0)
+                    S[d, j] = T.if_then_else(d == v0 + j and seqlen > 0, 1.0, 0.0)
             else:
                 T.clear(S)
             if not STATES_ONLY:

@@ -55,6 +55,7 @@ from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
+from flash_qla.ops.negligible import skipped_first_chunks
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
     STAGE_PAD,
@@ -107,6 +108,10 @@ def fused_fwd_wide_kernel(
     n_h0 = T.dynamic("n_h0")
     n_chunks = T.dynamic("n_chunks")
     n_slots = T.dynamic("n_slots")
+    n_bounds = T.dynamic("n_bounds")
+    # the split's map and offset walks (flash_qla.ops.context_parallel): only the pieces' end
+    # states, from the chunks that move them more than negligibly (kkt_solve's log_norms say which)
+    SKIPS = STATES_ONLY and not STORE_H
 
     store_o = row_store(BV, C)  # o[t0 : t0 + valid] = Otᵀ, each warpgroup its own 64 columns
     store_h = state_store(BV, K)  # h[c] = Sbᵀ (the recompute's), each warpgroup its own 64 columns
@@ -121,6 +126,7 @@ def fused_fwd_wide_kernel(
         P: T.Tensor([tokens, Hv, C], dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
+        log_norms: T.Tensor([Hv, n_bounds], accum),
         h0: T.Tensor([n_h0, Hv, K, V], accum),
         o: T.Tensor([tokens, Hv, V], dtype),
         ht: T.Tensor([n_seqs, Hv, K, ht_cols], ht_dtype),
@@ -132,9 +138,16 @@ def fused_fwd_wide_kernel(
             ihk = ih // GROUPS
             v0 = iv * BV
             tx = T.get_thread_binding()
-            bos = cu_seqlens[n]
+            if SKIPS:
+                # the piece's first chunks not walked (all of them: none)
+                count = T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
+                skip = skipped_first_chunks(log_norms, ih, chunk_offsets[n], count, E, MAPS)
+                bos = T.min(cu_seqlens[n] + skip * C, cu_seqlens[n + 1])
+                first_chunk = chunk_offsets[n] + skip
+            else:
+                bos = cu_seqlens[n]
+                first_chunk = chunk_offsets[n]
             seqlen = cu_seqlens[n + 1] - bos
-            first_chunk = chunk_offsets[n]
 
             q_s = T.alloc_shared([C, K], dtype)
             k_s = T.alloc_shared([C, K], dtype)
@@ -166,9 +179,9 @@ def fused_fwd_wide_kernel(
             if HAS_H0:
                 for j, d in T.Parallel(BV, K):
                     St[j, d] = h0[n, ih, d, v0 + j]
-            elif MAPS:  # this tile's columns of I
+            elif MAPS:  # this tile's columns of I; 0 when every chunk is skipped (M negligible)
                 for j, d in T.Parallel(BV, K):
-                    St[j, d] = T.if_then_else(d == v0 + j, 1.0, 0.0)
+                    St[j, d] = T.if_then_else(d == v0 + j and seqlen > 0, 1.0, 0.0)
             else:
                 T.clear(St)
             if not STATES_ONLY:

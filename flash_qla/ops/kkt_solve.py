@@ -208,7 +208,7 @@ def kkt_solve_kernel(
                     x_s[base + s + 16 * m + g + 8 * r, base + 8 * w + 2 * t + j] = -c[4 * m + 2 * r + j]
 
     @T.macro
-    def kkt_solve_body(q, k, g, beta, chunk_table, g_cum, gamma, gates, A, P, slots):
+    def kkt_solve_body(q, k, g, beta, chunk_table, g_cum, gamma, gates, A, P, log_norms, slots):
         """The kernel; q and P are None when FORM_P is off."""
         with T.Kernel(Hv, slots, threads=THREADS) as (ih, slot):
             follow_previous_kernel()
@@ -238,6 +238,7 @@ def kkt_solve_kernel(
             bcol = T.alloc_local([4], accum)  # β of this thread's four columns of A
             t0 = T.alloc_var("int32")
             valid = T.alloc_var("int32")
+            growth = T.alloc_var(accum)
 
             t0 = chunk_table[slot, 0]
             valid = chunk_table[slot, 1]
@@ -287,6 +288,11 @@ def kkt_solve_kernel(
                     if FORM_P:
                         QK[i, j] = T.if_then_else(j <= i, QK[i, j], 0.0)
                     if not BACKWARD:
+                        # the bound on the chunk's transition norm (flash_qla.ops.context_parallel): token
+                        # i's factor grows the state by at most max(1, |1 − β_i ‖k_i‖²|), β_i ‖k_i‖² on the
+                        # diagonal here (Γ_ii = 1); kept in x_s's padding column
+                        if i == j:
+                            x_s[i, C] = T.if_then_else(i < valid, T.max(T.log(T.abs(1.0 - KK[i, j])), 0.0), 0.0)
                         KK[i, j] = T.if_then_else(j < i and i < valid, KK[i, j], 0.0)
                 for i, j in T.Parallel(C, C):
                     if FORM_P:
@@ -324,6 +330,10 @@ def kkt_solve_kernel(
                         if row < valid:
                             for c in T.vectorized(4):
                                 A[t0 + row, ih, tx % 16 * 4 + c] = x_s[row, tx % 16 * 4 + c] * bcol[c]
+                    if FORM_P and tx < 32:  # L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|)
+                        growth = T.warp_reduce_sum(x_s[tx, C] + x_s[tx + 32, C])
+                        if tx == 0:
+                            log_norms[ih, slot] = growth + gam_s[valid - 1]
 
     if FORM_P:
 
@@ -339,9 +349,10 @@ def kkt_solve_kernel(
             gates: T.Tensor([Hv, n_slots, 2, C], accum),
             A: T.Tensor([tokens, Hv, C], dtype),
             P: T.Tensor([tokens, Hv, C], dtype),
+            log_norms: T.Tensor([Hv, n_slots], accum),
             slots: T.int32,
         ):
-            kkt_solve_body(q, k, g, beta, chunk_table, g_cum, gamma, gates, A, P, slots)
+            kkt_solve_body(q, k, g, beta, chunk_table, g_cum, gamma, gates, A, P, log_norms, slots)
 
     else:
 
@@ -357,6 +368,6 @@ def kkt_solve_kernel(
             A: T.Tensor([tokens, Hv, C], dtype),
             slots: T.int32,
         ):
-            kkt_solve_body(None, k, g, beta, chunk_table, g_cum, gamma, gates, A, None, slots)
+            kkt_solve_body(None, k, g, beta, chunk_table, g_cum, gamma, gates, A, None, None, slots)
 
     return tilelang.compile(kkt_solve, target=profile.target)

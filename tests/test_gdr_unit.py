@@ -5,6 +5,7 @@ element the kernels never write fails the check), runs the public API on the GPU
 compares with the chunked reference computed in fp32 from the same rounded inputs.
 """
 
+import contextlib
 import zlib
 
 import pytest
@@ -138,6 +139,31 @@ def test_split_forward_matches_whole_walk(case, poisoned, monkeypatch):
         assert rel_l2(got, whole) <= 2 * FWD_TOL, (name, rel_l2(got, whole))
 
 
+def test_split_forward_waits_for_its_map_walk(poisoned, monkeypatch):
+    """A split forward walks the pieces' maps on a second stream, beside their offsets
+    (flash_qla.ops.context_parallel.fork), and compose_maps waits for it: held back there by a
+    device sleep, the map walk ends long after the offsets walk, and o and the final state are
+    bitwise those of a call without the sleep (D is NaN until the map walk writes it)."""
+    from flash_qla.ops import context_parallel
+
+    case = Case("split_join", (9000,), heads=(2, 8), gate="weak")  # no map negligible: every D read
+    x, cu, _ = case_inputs(case, seed=zlib.crc32(case.id.encode()))
+    patch_planner(monkeypatch, "splits_forward", lambda *args: True)
+    want = flash_qla.chunk_gated_delta_rule_fwd(**x, cu_seqlens=cu, output_final_state=True)
+    fork = context_parallel.fork
+
+    @contextlib.contextmanager
+    def late_fork(beside, device):
+        with fork(beside, device):
+            torch.cuda._sleep(20_000_000)  # ~10 ms on the H200, on the map walk's stream
+            yield
+
+    monkeypatch.setattr(context_parallel, "fork", late_fork)
+    got = flash_qla.chunk_gated_delta_rule_fwd(**x, cu_seqlens=cu, output_final_state=True)
+    for name, a, b in zip(("o", "final_state"), (got[2], got[4]), (want[2], want[4])):
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+
+
 @pytest.mark.parametrize("BV", [32, 64], ids=["narrow", "wide"])  # fused_fwd / fused_bwd and their _wide twins
 def test_split_walks_leave_out_the_chunks_log_norms_show_negligible(BV):
     """The prologues of the split's map, offset and end walks (flash_qla.ops.negligible), run with
@@ -226,7 +252,7 @@ def test_compose_maps_gives_every_start_state(has_s0, decay, reverse):
     that forget the state (M ≈ 0) included, where one bf16 product would leave the rounding of S
     behind. Reverse (the backward's): the pieces last to first, each map transposed. Bounded: the
     pieces' chunk bounds (made-up log_norms, −100 on one chunk of every third piece of the even heads)
-    say M_j is negligible there: S_{j+1} = b_j, although the M_j drawn is not (the products left out)."""
+    say M_j is negligible there: S_{j+1} = b_j, although the M_j drawn is not (D's NaN rows there left out)."""
     from flash_qla.arch import get_profile
     from flash_qla.ops.buffers import placeholder
     from flash_qla.ops.compose_maps import compose_maps_kernel
@@ -254,6 +280,7 @@ def test_compose_maps_gives_every_start_state(has_s0, decay, reverse):
     d = M - torch.eye(K, device="cuda")
     hi = d.bfloat16()
     D = torch.cat([hi, (d - hi.float()).bfloat16()], dim=-1)
+    D[negligible.cuda()] = float("nan")  # never loaded nor multiplied
     kernel = compose_maps_kernel(Hv, K, K, get_profile(M.device), has_s0, reverse)
     kernel(
         D, b, first_pieces, bounds.cuda(), first_chunks.cuda(), log_norms.cuda(),

@@ -68,14 +68,15 @@ KERNELS = [
     ("fused_fwd_wide_maps", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True, False, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_offsets", fused_fwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, False, True), ("wgmma", "tma_load")),
     ("fused_fwd_wide_offsets", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True), ("wgmma_rs", "tma_load")),
-    # a split walk's composition of the pieces' maps, with and without an initial state
-    ("compose_maps", compose_maps_kernel, (8, 128, 128, SM90, False), ("wgmma",)),
-    ("compose_maps_s0", compose_maps_kernel, (8, 128, 128, SM90, True), ("wgmma",)),
+    # a split walk's composition of the pieces' maps, with and without an initial state (a ring of its own: D by TMA
+    # only for the pieces whose map is not negligible)
+    ("compose_maps", compose_maps_kernel, (8, 128, 128, SM90, False), ("wgmma", "tma_load", "warpgroup_reg_alloc")),
+    ("compose_maps_s0", compose_maps_kernel, (8, 128, 128, SM90, True), ("wgmma", "tma_load", "warpgroup_reg_alloc")),
     # the split backward walk: the pieces' offsets (only dh0 written), the reverse composition
     ("fused_bwd_ends_only", fused_bwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, True, True), ("wgmma", "tma_load")),
     ("fused_bwd_wide_ends_only", fused_bwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, True, True), ("wgmma_rs", "tma_load")),
-    ("compose_maps_reverse", compose_maps_kernel, (8, 128, 128, SM90, False, True), ("wgmma",)),
-    ("compose_maps_reverse_dht", compose_maps_kernel, (8, 128, 128, SM90, True, True), ("wgmma",)),
+    ("compose_maps_reverse", compose_maps_kernel, (8, 128, 128, SM90, False, True), ("wgmma", "tma_load", "warpgroup_reg_alloc")),
+    ("compose_maps_reverse_dht", compose_maps_kernel, (8, 128, 128, SM90, True, True), ("wgmma", "tma_load", "warpgroup_reg_alloc")),
     # every tile by cp.async, waited for at its first use; dβ stored in β's dtype (bf16 here)
     ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async_gs")),
     # an inference forward at 64 columns: kkt_solve without P (only K Kᵀ on wgmma), the walk with the O path on two
@@ -100,7 +101,7 @@ NO_LOCAL_MEMORY = (
     "fused_fwd_wide_bv64_h0_h", "fused_fwd_wide_h0_h", "fused_fwd_wide_states_only", "fused_bwd_wide_bv64_dht",
     "fused_bwd_wide_dht_dh0", "chunk_grads", "fused_fwd_keep_h", "fused_fwd_wide_keep_h", "kkt_solve_without_p",
     "fused_fwd_opath", "fused_fwd_maps", "fused_fwd_wide_maps", "fused_fwd_offsets", "fused_fwd_wide_offsets",
-    "fused_bwd_ends_only", "fused_bwd_wide_ends_only",
+    "fused_bwd_ends_only", "fused_bwd_wide_ends_only", "compose_maps", "compose_maps_reverse_dht",
 )  # fmt: skip
 
 

@@ -79,17 +79,7 @@ from flash_qla.ops.forward import (
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
-from flash_qla.ops.launch import executable, on_device
-
-
-_side_streams: dict = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """A second stream of the device, for the state recompute beside the backward walk."""
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
+from flash_qla.ops.launch import executable, on_device, side_stream
 
 
 def backward_walk_kernel(BV: int):

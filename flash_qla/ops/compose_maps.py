@@ -35,23 +35,34 @@ Outputs:
     starts  [pieces, Hv, K, V] fp32 (REVERSE: the pieces' end-state gradients)
 
 Schedule: grid (V / BV, Hv, N), a block walks its sequence's pieces with its [K, BV] slice of S
-in fp32 registers (the products' accumulator). T.Pipelined streams each piece's D halves and
-b slice through a two-stage TMA ring (TileLang's warp specialization: a producer warpgroup,
-one consumer warpgroup), so the next piece's 72 KB arrive under this piece's products (the
-V-tiles of a head read the same D, from L2). Sequential walk of the pieces (16 at 32768
-tokens): ~30 small launches of torch matmuls took longer than the split saved; this kernel
-with D converted here from fp32 M, each piece's loads waited for, took 80 µs at 2/8 1x32768
-(benchmark/NOTES.md v13).
+in fp32 registers (the products' accumulator), 256 threads in two roles that hand each piece over
+through a two-stage ring (full / empty mbarriers):
+- warp 0 makes each piece's negligible test (its 32 lanes, the map walk's warp sum), leaves it in
+  shared memory for the consumer, and loads the piece's b slice by TMA, and D's two halves only
+  where M is not negligible (64 of the piece's 80 KB);
+- one consumer warpgroup stores S as the piece's start, reads the test from the ring and takes b, or
+  runs the three products (one wait for all three).
+So the sequential part waits on neither a global load (the test's bounds and log_norms) nor a
+negligible piece's D. Sequential walk of the pieces (16 at 32768 tokens): ~30 small launches of
+torch matmuls took longer than the split saved; with D converted here from fp32 M, each piece's
+loads waited for, 80 µs at 2/8 1x32768 (benchmark/NOTES.md v13). TileLang's pipeline (its warp
+specialization of a T.Pipelined loop) made the test on the consumer's path and loaded every D:
+against it, training step 16/32 1x32768 2805.3 -> 2782.5 µs, 4/16 1x32768 1425.9 -> 1399.9, 2/8
+1x32768 719.1 -> 713.9, inference forward 4/16 1x32768 414.8 -> 403.9; outputs bitwise equal
+(benchmark/NOTES.md v44).
 """
 
 import tilelang
 import tilelang.language as T
+from tilelang.transform import PassConfigKey
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
 from flash_qla.ops.negligible import map_negligible
 
 BV = 32  # V-tile width: 4 blocks a head at V = 128
+STAGES = 2  # the ring's depth: 80 KB a piece (D's halves and b's slice)
+S_BARRIER = 1  # the named barrier of the consumer warpgroup's 128 threads (0 is __syncthreads')
 
 
 @kernel_factory
@@ -78,39 +89,69 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
         s0: T.Tensor([n_s0, Hv, K, V], f32),
         starts: T.Tensor([pieces, Hv, K, V], f32),
     ):
-        with T.Kernel(V // BV, Hv, n_seqs, threads=profile.threads) as (iv, ih, n):
+        with T.Kernel(V // BV, Hv, n_seqs, threads=256) as (iv, ih, n):
             follow_previous_kernel()
             v0 = iv * BV
+            tx = T.get_thread_binding()
             first = first_pieces[n]
             count = first_pieces[n + 1] - first
-            d_hi = T.alloc_shared([K, K], bf16)
-            d_lo = T.alloc_shared([K, K], bf16)
-            b_s = T.alloc_shared([K, BV], f32)
+            d_hi = T.alloc_shared([STAGES, K, K], bf16)
+            d_lo = T.alloc_shared([STAGES, K, K], bf16)
+            b_s = T.alloc_shared([STAGES, K, BV], f32)
+            negligible = T.alloc_shared([STAGES], "int32")  # the producer's test of each piece in the ring
             s_hi = T.alloc_shared([K, BV], bf16)
             s_lo = T.alloc_shared([K, BV], bf16)
+            full = T.alloc_barrier([32] * STAGES)
+            empty = T.alloc_barrier([128] * STAGES)
             S = T.alloc_fragment([K, BV], f32)
 
-            if HAS_S0:
-                T.copy(s0[n, ih, :, v0:v0 + BV], S)
-            else:
-                T.clear(S)
-            for r in T.Pipelined(count, num_stages=2):
-                j = first + (count - 1 - r if REVERSE else r)
-                T.copy(D[j, ih, :, 0:K], d_hi)
-                T.copy(D[j, ih, :, K:2 * K], d_lo)
-                T.copy(b[j, ih, :, v0:v0 + BV], b_s)
-                T.copy(S, starts[j, ih, :, v0:v0 + BV])
-                chunks = T.ceildiv(bounds[j + 1] - bounds[j], C)
-                if map_negligible(log_norms, ih, first_chunks[j], chunks):
-                    T.copy(b_s, S)
+            if tx < 128:  # warp 0 tests each piece and streams what its step reads; warps 1-3 idle
+                T.set_max_nreg(24, 0)
+                if tx < 32:
+                    for r in T.serial(count):
+                        j = first + (count - 1 - r if REVERSE else r)
+                        s = r % STAGES
+                        T.mbarrier_wait_parity(empty[s], ((r // STAGES) & 1) ^ 1)
+                        chunks = T.ceildiv(bounds[j + 1] - bounds[j], C)
+                        if map_negligible(log_norms, ih, first_chunks[j], chunks):
+                            if tx == 0:
+                                negligible[s] = 1
+                        else:
+                            if tx == 0:
+                                negligible[s] = 0
+                            T.tma_copy(D[j, ih, :, 0:K], d_hi[s, :, :], barrier=full[s])
+                            T.tma_copy(D[j, ih, :, K:2 * K], d_lo[s, :, :], barrier=full[s])
+                        T.tma_copy(b[j, ih, :, v0:v0 + BV], b_s[s, :, :], barrier=full[s])
+                        T.mbarrier_arrive(full[s])  # releases lane 0's test with it
+            else:  # one warpgroup walks the pieces: S in fp32 registers, the products' accumulator
+                T.set_max_nreg(240, 1)
+                if HAS_S0:
+                    T.copy(s0[n, ih, :, v0:v0 + BV], S)
                 else:
-                    for i, c in T.Parallel(K, BV):
-                        s_hi[i, c] = S[i, c]
-                        s_lo[i, c] = S[i, c] - T.cast(T.cast(S[i, c], bf16), f32)
-                    for i, c in T.Parallel(K, BV):
-                        S[i, c] = S[i, c] + b_s[i, c]
-                    T.gemm(d_hi, s_hi, S, transpose_A=REVERSE)
-                    T.gemm(d_hi, s_lo, S, transpose_A=REVERSE)
-                    T.gemm(d_lo, s_hi, S, transpose_A=REVERSE)
+                    T.clear(S)
+                for r in T.serial(count):
+                    j = first + (count - 1 - r if REVERSE else r)
+                    s = r % STAGES
+                    T.copy(S, starts[j, ih, :, v0:v0 + BV])
+                    T.mbarrier_wait_parity(full[s], (r // STAGES) & 1)
+                    if negligible[s] == 1:
+                        T.copy(b_s[s, :, :], S)
+                    else:
+                        T.sync_threads(S_BARRIER, 128)  # the last piece's products have read s_hi, s_lo
+                        for i, c in T.Parallel(K, BV):
+                            s_hi[i, c] = S[i, c]
+                            s_lo[i, c] = S[i, c] - T.cast(T.cast(S[i, c], bf16), f32)
+                        for i, c in T.Parallel(K, BV):
+                            S[i, c] = S[i, c] + b_s[s, i, c]
+                        T.fence_proxy_async()
+                        T.sync_threads(S_BARRIER, 128)
+                        T.wgmma_gemm(d_hi[s, :, :], s_hi, S, transpose_A=REVERSE)
+                        T.wgmma_gemm(d_hi[s, :, :], s_lo, S, transpose_A=REVERSE)
+                        T.wgmma_gemm(d_lo[s, :, :], s_hi, S, transpose_A=REVERSE)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(S, num_regs=K * BV // 128)
+                    T.mbarrier_arrive(empty[s])
 
-    return tilelang.compile(compose_maps, target=profile.target)
+    # every hand-off is ordered by the kernel itself (the ring's mbarriers, the consumer's named barrier)
+    no_sync_pass = {PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+    return tilelang.compile(compose_maps, target=profile.target, pass_configs=no_sync_pass)

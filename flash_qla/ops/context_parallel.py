@@ -14,7 +14,10 @@ parallel. Each piece maps its start state affinely, S_end = M S_start + b, with
 T_c S, and K = V, so walked from S = I it ends at M (the MAPS variant: the identity start and
 the zero V are the kernel's, nothing is read for them, and it writes D = M − I as the two bf16
 halves compose_maps multiplies with); walked from S = 0 with the real V it ends at b: two
-launches over all pieces, which keep only the end states. compose_maps
+launches over all pieces, which keep only the end states, on two streams (the map walk beside the
+offsets walk: where the gates decay each walks a few pieces in full and leaves most SMs idle
+meanwhile; training step 16/32 1x32768 2835.3 -> 2807.6 µs, 4/16 1461.8 -> 1429.1, inference
+forward 4/16 1x32768 450.0 -> 415.9, 2/8 211.2 -> 202.7; benchmark/NOTES.md v44). compose_maps
 composes the maps into every piece's start state, and the forward walk (HAS_H0) runs over
 the pieces from them, giving o (and h) of every chunk; the final state is the last piece's
 end state.
@@ -69,6 +72,8 @@ split (no training forward before it) has no bound (kkt_solve forms none in back
 walks every chunk.
 """
 
+import contextlib
+
 import torch
 
 from flash_qla.ops import buffers
@@ -77,19 +82,31 @@ from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.launch import executable
 
 
-def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile):
+def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, beside=None):
     """D [n, Hv, K, 2 K]: M − I of each of checkpoint_pieces' n pieces (the rows of the empty ones
     past the last unused), as compose_maps reads it, from `maps` (the executable of the forward
     walk's MAPS variant, taking maps_gate; it reads neither v nor h0: v, of o's shape and dtype,
-    and the placeholder stand in); log_norms: kkt_solve's (D = −I where M is negligible; zeros: every chunk walked)."""
+    and the placeholder stand in); log_norms: kkt_solve's (D = −I where M is negligible; zeros: every chunk walked).
+    beside: a stream to walk on, forked here from the current one (which must wait for it before
+    anything reads D: split_walk's maps_beside); every tensor the walk reads outlives that wait (the
+    caller's, or cached)."""
     _, Hv, V = v.shape
     K = q.shape[-1]
     assert K == V, "the transition M is walked as a state"
     bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     D = buffers.new((bounds.numel() - 1, Hv, K, 2 * K), torch.bfloat16, v)
-    maps(q, k, v, maps_gate, A, P, bounds, firsts, log_norms, placeholder, v, D, placeholder, scale)
+    with contextlib.nullcontext() if beside is None else fork(beside, v.device):
+        maps(q, k, v, maps_gate, A, P, bounds, firsts, log_norms, placeholder, v, D, placeholder, scale)
     return D
+
+
+@contextlib.contextmanager
+def fork(beside, device):
+    """Launch on `beside` after the current stream's work so far (the caller joins it)."""
+    beside.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(beside):
+        yield
 
 
 def _pieces(cu_seqlens, slots, profile):
@@ -114,7 +131,7 @@ def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
 
 def split_walk(
     walk, walk_gate, D, offsets, offsets_gate, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state, h,
-    log_norms, profile,
+    log_norms, profile, maps_beside=None,
 ):
     """o, the final states and the pieces' start states of the sequences, walked in pieces.
 
@@ -123,7 +140,9 @@ def split_walk(
     their gate inputs (flash_qla.ops.forward.walk_gate); D: the pieces' maps (maps_of_pieces,
     at offsets' width); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as the forward walk
     takes them; cu_seqlens [N + 1] and the lengths it holds (host ints); initial_state
-    [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None; log_norms: kkt_solve's.
+    [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None; log_norms: kkt_solve's;
+    maps_beside: the stream maps_of_pieces walked D on (its beside), which compose_maps waits for;
+    None when D was walked on the current stream.
 
     Returns o [T, Hv, V], final_state [N, Hv, K, V] and starts [n, Hv, K, V]: every piece's start
     state, in checkpoint_pieces' order (a training backward's recompute walks the same pieces from
@@ -139,6 +158,8 @@ def split_walk(
     # placeholder stand in
     offsets(q, k, v, offsets_gate, A, P, bounds, firsts, log_norms, placeholder, v, b, placeholder, scale)
     starts = buffers.new((n, Hv, K, V), f32, v)
+    if maps_beside is not None:
+        torch.cuda.current_stream(v.device).wait_stream(maps_beside)
     compose = compose_maps_kernel(Hv, K, V, profile, initial_state is not None)
     executable(compose)(
         D, b, seq_pieces, bounds, firsts, log_norms, placeholder if initial_state is None else initial_state, starts

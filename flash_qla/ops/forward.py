@@ -30,7 +30,7 @@ from flash_qla.ops.fused_fwd_opath import BV as OPATH_BLOCK_V
 from flash_qla.ops.fused_fwd_opath import fused_fwd_opath_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
-from flash_qla.ops.launch import executable, on_device
+from flash_qla.ops.launch import executable, on_device, side_stream
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = ((128, 128),)
@@ -339,12 +339,15 @@ def _forward_kernels(
         maps_gate = walk_gate(BV_maps, gamma, gates)
         # the walks leave out the chunks of each piece whose part of M, b (and the backward's b') the
         # gates make negligible (log_norms)
+        # the map walk on a second stream, beside the offsets walk: where the gates decay, each leaves
+        # most SMs idle behind the few pieces it walks in full
+        beside = side_stream(q.device)
         D = maps_of_pieces(
-            executable(map_walk), maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile
+            executable(map_walk), maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, beside
         )
         o, final_state, starts = split_walk(
             executable(walk), walk_gate(BV, gamma, gates), D, executable(offsets), maps_gate,
-            q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, log_norms, profile,
+            q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, log_norms, profile, beside,
         )  # fmt: skip
         if training:  # the backward walk and state recompute split the same pieces (flash_qla.ops.backward)
             maps = D, log_norms

@@ -53,6 +53,18 @@ def kernel_factory(build):
     return factory
 
 
+_side_streams: dict = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A second stream of the device, for a walk beside another one (the backward's state recompute
+    beside its walk, a split forward's map walk beside its offset walk), forked from and joined to the
+    caller's stream by the orchestration that uses it."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
 @functools.lru_cache(maxsize=None)
 def executable(kernel):
     """The TVM-FFI callable of a compiled kernel: executable(kernel)(*args) == kernel(*args)."""

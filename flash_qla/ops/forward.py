@@ -338,9 +338,8 @@ def _forward_kernels(
         offsets = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True)
         maps_gate = walk_gate(BV_maps, gamma, gates)
         # the walks leave out the chunks of each piece whose part of M, b (and the backward's b') the
-        # gates make negligible (log_norms)
-        # the map walk on a second stream, beside the offsets walk: where the gates decay, each leaves
-        # most SMs idle behind the few pieces it walks in full
+        # gates make negligible (log_norms); the map walk runs on a second stream, beside the offsets
+        # walk: where the gates decay, each leaves most SMs idle behind the few pieces it walks in full
         beside = side_stream(q.device)
         D = maps_of_pieces(
             executable(map_walk), maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, beside

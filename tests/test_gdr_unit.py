@@ -169,7 +169,7 @@ def test_split_walks_leave_out_the_chunks_log_norms_show_negligible(BV):
     """The prologues of the split's map, offset and end walks (flash_qla.ops.negligible), run with
     made-up log_norms: in each piece, the even v-heads have one chunk j whose bound is −100 (far
     below ln 2^-24), the odd ones none (all 0: nothing negligible). Then, bit for bit:
-    - MAPS: the even heads' M is negligible, D = −I; the odd heads' D as with no bound at all;
+    - MAPS: the even heads' M is negligible, D left as it was (NaN); the odd heads' D as with no bound at all;
     - offsets: the even heads walk chunks j.. from 0: b as the walk of the piece that starts at j;
     - ends: the even heads walk back over chunks j..0: b' as the walk of the piece cut after j.
     Two sequences, pieces of 32 chunks and shorter ones, j at different places per piece."""
@@ -222,17 +222,17 @@ def test_split_walks_leave_out_the_chunks_log_norms_show_negligible(BV):
     for p in pieces:
         made_up[0::2, firsts[p] + j[p]] = -100.0
     even, odd = slice(0, Hv, 2), slice(1, Hv, 2)
-    minus_identity = torch.cat([-torch.eye(K), torch.zeros(K, K)], dim=-1).to(q.device, torch.bfloat16)
 
     for kind in ("maps", "offsets", "ends"):
         whole, skipped = walk(kind, exact, bounds, firsts), walk(kind, made_up, bounds, firsts)
         for p in pieces:
             b0, b1, f = bounds[p].item(), bounds[p + 1].item(), firsts[p].item()
             assert torch.equal(skipped[p, odd], whole[p, odd]), (kind, p, "a head with nothing negligible")
-            if kind == "maps":
-                assert not torch.equal(whole[p, even], minus_identity.expand(Hv // 2, K, 2 * K)), (kind, p)
-                want = minus_identity.expand(Hv // 2, K, 2 * K)
-            elif kind == "offsets":  # the piece from chunk j
+            if kind == "maps":  # compose_maps reads no D there
+                assert torch.isfinite(whole[p, even].float()).all(), (kind, p)
+                assert torch.isnan(skipped[p, even].float()).all(), (kind, p, "D written where M is negligible")
+                continue
+            if kind == "offsets":  # the piece from chunk j
                 piece = torch.tensor([b0 + j[p] * C, b1], dtype=torch.int32, device="cuda")
                 want = walk(kind, exact, piece, torch.tensor([f + j[p], 0], dtype=torch.int32, device="cuda"))[0, even]
             else:  # the piece up to chunk j

@@ -13,7 +13,7 @@ dS_end = 0): with J pieces,
 
 writing X_r, the gradient of the state at the end of piece j, in row j.
 Where kkt_solve's bounds show a piece's M negligible (flash_qla.ops.negligible.map_negligible,
-the test its map walk made before writing D = −I), S + D S + b is b (X + Dᵀ X + b likewise): the
+the test its map walk made before leaving D unwritten), S + D S + b is b (X + Dᵀ X + b likewise): the
 products are left out, and S (X) is b.
 The product runs on the tensor cores in three bf16 products, D_hi S_hi +
 D_hi S_lo + D_lo S_hi (x = x_hi + x_lo, each half rounded to bf16), with an fp32 accumulator:

@@ -54,7 +54,7 @@ log_norms; ‖k_t‖ = 1 and 0 ≤ β_t ≤ 2 make the sum 0), and so does its a
 chunks 1..n and v-head, each walk block decides in its prologue from its piece's L_c
 (flash_qla.ops.negligible):
   - M = T_n ··· T_1 is negligible when Σ_{c ≤ n} L_c ≤ ln NEGLIGIBLE: the MAPS walk then walks no
-    chunk and starts from 0, not I (D = −I: compose_maps' S + D S + b is b), and compose_maps, which
+    chunk and writes no D (compose_maps' S + D S + b is b there), and compose_maps, which
     makes the same test (the same warp sum), takes b without its products;
   - b, walked from 0 over chunks s + 1..n instead of 1..n, leaves out T_n ··· T_{s+1} x_s (x_s
     the state after chunk s): negligible when Σ_{c > s} L_c ≤ ln NEGLIGIBLE; the offsets walk
@@ -86,7 +86,7 @@ def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log
     """D [n, Hv, K, 2 K]: M − I of each of checkpoint_pieces' n pieces (the rows of the empty ones
     past the last unused), as compose_maps reads it, from `maps` (the executable of the forward
     walk's MAPS variant, taking maps_gate; it reads neither v nor h0: v, of o's shape and dtype,
-    and the placeholder stand in); log_norms: kkt_solve's (D = −I where M is negligible; zeros: every chunk walked).
+    and the placeholder stand in); log_norms: kkt_solve's (no D written where M is negligible; zeros: every chunk walked).
     beside: a stream to walk on, forked here from the current one (which must wait for it before
     anything reads D: split_walk's maps_beside); every tensor the walk reads outlives that wait (the
     caller's, or cached)."""

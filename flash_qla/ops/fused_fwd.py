@@ -108,7 +108,9 @@ def fused_fwd_kernel(
     MAPS (with STATES_ONLY, no h0, no h): a piece's transition M (flash_qla.ops.context_parallel):
     the walk starts from the identity and takes V as 0 (v is not read); ht [N, Hv, K, 2 V]
     bf16 gets D = M − I as compose_maps reads it, rounded to bf16 (hi) beside the rest (lo).
-    Where log_norms show M negligible, it walks no chunk and starts from 0: D = −I.
+    Where log_norms show M negligible, it walks no chunk and writes nothing: compose_maps makes the
+    same test and reads no D there. Against storing D = −I there, training step 16/32 1x32768
+    2781.0 -> 2765.2 µs, inference forward 4/16 1x32768 404.8 -> 393.7 (benchmark/NOTES.md v45).
     """
     assert not (CHECKPOINT and STORE_H), "h holds either every state or the checkpoints"
     assert not MAPS or (STATES_ONLY and not (HAS_H0 or STORE_H or CHECKPOINT)), "MAPS walks from I, keeps the end"
@@ -199,9 +201,9 @@ def fused_fwd_kernel(
 
             if HAS_H0:
                 T.copy(h0[n, ih, :, v0:v0 + BV], S)
-            elif MAPS:  # this tile's columns of I; 0 when every chunk is skipped (M negligible)
+            elif MAPS:  # this tile's columns of I
                 for d, j in T.Parallel(K, BV):
-                    S[d, j] = T.if_then_else(d == v0 + j and seqlen > 0, 1.0, 0.0)
+                    S[d, j] = T.if_then_else(d == v0 + j, 1.0, 0.0)
             else:
                 T.clear(S)
             if not STATES_ONLY:
@@ -286,11 +288,12 @@ def fused_fwd_kernel(
                 last = (seqlen - 1) // C
                 store_o(O_prev, o_s, o, bos + last * C, seqlen - last * C, ih, v0)
             if MAPS:
-                for d, j in T.Parallel(K, BV):
-                    S[d, j] = S[d, j] - T.if_then_else(d == v0 + j, 1.0, 0.0)
-                for d, j in T.Parallel(K, BV):
-                    ht[n, ih, d, v0 + j] = S[d, j]
-                    ht[n, ih, d, V + v0 + j] = S[d, j] - T.cast(T.cast(S[d, j], ht_dtype), accum)
+                if seqlen > 0:  # no D where M is negligible (every chunk skipped) or the piece empty
+                    for d, j in T.Parallel(K, BV):
+                        S[d, j] = S[d, j] - T.if_then_else(d == v0 + j, 1.0, 0.0)
+                    for d, j in T.Parallel(K, BV):
+                        ht[n, ih, d, v0 + j] = S[d, j]
+                        ht[n, ih, d, V + v0 + j] = S[d, j] - T.cast(T.cast(S[d, j], ht_dtype), accum)
             else:
                 T.copy(S, ht[n, ih, :, v0:v0 + BV])
 

@@ -179,9 +179,9 @@ def fused_fwd_wide_kernel(
             if HAS_H0:
                 for j, d in T.Parallel(BV, K):
                     St[j, d] = h0[n, ih, d, v0 + j]
-            elif MAPS:  # this tile's columns of I; 0 when every chunk is skipped (M negligible)
+            elif MAPS:  # this tile's columns of I
                 for j, d in T.Parallel(BV, K):
-                    St[j, d] = T.if_then_else(d == v0 + j and seqlen > 0, 1.0, 0.0)
+                    St[j, d] = T.if_then_else(d == v0 + j, 1.0, 0.0)
             else:
                 T.clear(St)
             if not STATES_ONLY:
@@ -262,11 +262,12 @@ def fused_fwd_wide_kernel(
                 last = (seqlen - 1) // C
                 store_o(Ot_prev, o_s, o, bos + last * C, seqlen - last * C, ih, v0, tx)
             if MAPS:
-                for j, d in T.Parallel(BV, K):
-                    St[j, d] = St[j, d] - T.if_then_else(d == v0 + j, 1.0, 0.0)
-                for j, d in T.Parallel(BV, K):
-                    ht[n, ih, d, v0 + j] = St[j, d]
-                    ht[n, ih, d, V + v0 + j] = St[j, d] - T.cast(T.cast(St[j, d], ht_dtype), accum)
+                if seqlen > 0:  # no D where M is negligible (every chunk skipped) or the piece empty
+                    for j, d in T.Parallel(BV, K):
+                        St[j, d] = St[j, d] - T.if_then_else(d == v0 + j, 1.0, 0.0)
+                    for j, d in T.Parallel(BV, K):
+                        ht[n, ih, d, v0 + j] = St[j, d]
+                        ht[n, ih, d, V + v0 + j] = St[j, d] - T.cast(T.cast(St[j, d], ht_dtype), accum)
             else:
                 for j, d in T.Parallel(BV, K):
                     ht[n, ih, d, v0 + j] = St[j, d]

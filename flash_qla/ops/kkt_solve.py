@@ -290,8 +290,9 @@ def kkt_solve_kernel(
                     if not BACKWARD:
                         # the bound on the chunk's transition norm (flash_qla.ops.context_parallel): token
                         # i's factor grows the state by at most max(1, |1 − β_i ‖k_i‖²|), β_i ‖k_i‖² on the
-                        # diagonal here (Γ_ii = 1); kept in x_s's padding column
-                        if i == j:
+                        # diagonal here (Γ_ii = 1); kept in x_s's padding column. Stored with P only (the
+                        # O-path walk's kkt_solve serves no split)
+                        if FORM_P and i == j:
                             x_s[i, C] = T.if_then_else(i < valid, T.max(T.log(T.abs(1.0 - KK[i, j])), 0.0), 0.0)
                         KK[i, j] = T.if_then_else(j < i and i < valid, KK[i, j], 0.0)
                 for i, j in T.Parallel(C, C):

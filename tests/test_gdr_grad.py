@@ -496,12 +496,15 @@ def test_gradients_of_one_output(used, poisoned, monkeypatch):
             assert rel_l2(got, want) <= GRAD_TOL, (n, rel_l2(got, want))
 
 
-@pytest.mark.parametrize("entry", ["training_step", "low_level"])
-def test_cuda_graph_replays_the_eager_results(entry):
+@pytest.mark.parametrize("entry", ["training_step", "low_level", "training_step_split"])
+def test_cuda_graph_replays_the_eager_results(entry, monkeypatch):
     """A training step through autograd, or the low-level forward and backward, captured in a CUDA
     graph and replayed on new inputs (copied into the captured ones) gives the eager results bitwise:
-    the backward's second stream forks from the capturing stream and joins it again (varlen edges,
-    GVA 2, h0 and dht; kernels and the cu_seqlens tables warmed up by an eager call first)."""
+    the backward's second stream (and a split forward's, its map walk: training_step_split, the split
+    forced) forks from the capturing stream and joins it again (varlen edges, GVA 2, h0 and dht;
+    kernels and the cu_seqlens tables warmed up by an eager call first)."""
+    if entry == "training_step_split":
+        patch_planner(monkeypatch, "splits_forward", lambda *args: True)
     case = next(c for c in CASES if c.id == "varlen_edges_h0")
     static, cu, h0 = case_inputs(case, seed=31)
     static["initial_state"] = h0
@@ -510,7 +513,7 @@ def test_cuda_graph_replays_the_eager_results(entry):
 
     def step(t):
         inputs = {n: t[n] for n in ("q", "k", "v", "g", "beta", "initial_state")}
-        if entry == "training_step":
+        if entry != "low_level":
             leaves = {n: x.detach().requires_grad_() for n, x in inputs.items()}
             o, ht = flash_qla.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, output_final_state=True)
             return (o, ht, *torch.autograd.grad([o, ht], list(leaves.values()), [t["do"], t["dht"]]))

@@ -22,9 +22,9 @@ write fails the check):
   gradients of the recompute, and saves the states only when asked.
 - test_gradients_of_one_output: a loss of o alone (the backward gets dht None, not a filled zero
   tensor) or of final_state alone, against the reference.
-- test_cuda_graph_replays_the_eager_results: a training step, and the low-level forward and
-  backward, captured in a CUDA graph (the backward's second stream joins the capture) and replayed
-  on new inputs give the eager results bitwise.
+- test_cuda_graph_replays_the_eager_results: a training step (whole, and with the split forced),
+  and the low-level forward and backward, captured in a CUDA graph (the backward's second stream,
+  and the split forward's, join the capture) and replayed on new inputs give the eager results bitwise.
 - test_training_matches_reference: a tiny GatedDeltaNet layer trained with the kernels and with the
   reference on the GPU reaches the same loss, and the loss goes down.
 """

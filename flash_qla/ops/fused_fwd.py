@@ -69,7 +69,7 @@ import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import kernel_factory
-from flash_qla.ops.negligible import skipped_first_chunks
+from flash_qla.ops.negligible import walk_start
 
 LOG2E = 1.4426950408889634
 # elements of padding per row of the o staging tile: the accumulator's 4-byte stores of a
@@ -165,15 +165,7 @@ def fused_fwd_kernel(
         with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
             ihk = ih // GROUPS
             v0 = iv * BV
-            if SKIPS:
-                # the piece's first chunks not walked (all of them: none)
-                count = T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
-                skip = skipped_first_chunks(log_norms, ih, chunk_offsets[n], count, E, MAPS)
-                bos = T.min(cu_seqlens[n] + skip * C, cu_seqlens[n + 1])
-                first_chunk = chunk_offsets[n] + skip
-            else:
-                bos = cu_seqlens[n]
-                first_chunk = chunk_offsets[n]
+            bos, first_chunk = walk_start(log_norms, ih, cu_seqlens, chunk_offsets, n, C, E, SKIPS, MAPS)
             seqlen = cu_seqlens[n + 1] - bos
 
             q_s = T.alloc_shared([C, K], dtype)

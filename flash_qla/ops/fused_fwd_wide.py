@@ -55,7 +55,7 @@ from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
-from flash_qla.ops.negligible import skipped_first_chunks
+from flash_qla.ops.negligible import walk_start
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
     STAGE_PAD,
@@ -138,15 +138,7 @@ def fused_fwd_wide_kernel(
             ihk = ih // GROUPS
             v0 = iv * BV
             tx = T.get_thread_binding()
-            if SKIPS:
-                # the piece's first chunks not walked (all of them: none)
-                count = T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
-                skip = skipped_first_chunks(log_norms, ih, chunk_offsets[n], count, E, MAPS)
-                bos = T.min(cu_seqlens[n] + skip * C, cu_seqlens[n + 1])
-                first_chunk = chunk_offsets[n] + skip
-            else:
-                bos = cu_seqlens[n]
-                first_chunk = chunk_offsets[n]
+            bos, first_chunk = walk_start(log_norms, ih, cu_seqlens, chunk_offsets, n, C, E, SKIPS, MAPS)
             seqlen = cu_seqlens[n + 1] - bos
 
             q_s = T.alloc_shared([C, K], dtype)

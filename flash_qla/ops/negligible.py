@@ -3,7 +3,8 @@
 kkt_solve bounds each chunk's transition: ‖T_c‖ ≤ e^{L_c}, log_norms [Hv, slots] fp32. A walk
 block of the split's map, offset or end walk sums the L_c of its piece (≤ E chunks, first global
 chunk `first`, `count` chunks) in its prologue and walks only the chunks whose part of its
-result is more than NEGLIGIBLE of a state's norm. The macros return the chunk count they decide.
+result is more than NEGLIGIBLE of a state's norm. The macros return the chunk count they decide
+(walk_start: where a forward walk block starts, from that count).
 
 Their variables are stores to registers in the producer warpgroup, which TileLang's register
 split (AnnotateWarpGroupRegAlloc) takes for a SIMT copy: it would then give every warpgroup the
@@ -42,20 +43,32 @@ def skipped_first_chunks(log_norms, ih, first, count, E: int, whole: bool):
     T.annotate_producer_reg_dealloc(24)
     T.annotate_consumer_reg_alloc(240)
     skip = T.alloc_var("int32")
-    bound = T.alloc_var("float32")
     skip = 0
-    bound = 0.0
     if whole:
         assert E <= 32, "a warp's lanes add the piece's chunks"
         if map_negligible(log_norms, ih, first, count):
             skip = count
     else:  # suffix sums, last chunk first: the first that is negligible gives the largest s
+        bound = T.alloc_var("float32")
+        bound = 0.0
         for r in T.unroll(E):
             if E - 1 - r < count:
                 bound += log_norms[ih, first + E - 1 - r]
                 if skip == 0 and bound <= LOG_NEGLIGIBLE:
                     skip = E - 1 - r
     return skip
+
+
+@T.macro
+def walk_start(log_norms, ih, cu_seqlens, chunk_offsets, n, C: int, E: int, skips: bool, whole: bool):
+    """The first token and first global chunk a forward walk block starts its piece n at: past the
+    chunks skipped_first_chunks leaves out where skips (the split's map and offset walks; all of
+    them: none), else the piece's own."""
+    if skips:
+        count = T.ceildiv(cu_seqlens[n + 1] - cu_seqlens[n], C)
+        skip = skipped_first_chunks(log_norms, ih, chunk_offsets[n], count, E, whole)
+        return T.min(cu_seqlens[n] + skip * C, cu_seqlens[n + 1]), chunk_offsets[n] + skip
+    return cu_seqlens[n], chunk_offsets[n]
 
 
 @T.macro

@@ -346,7 +346,8 @@ def test_split_backward_matches_whole_walk(case, with_dht, forced, poisoned, mon
     """The backward walked in pieces from their composed end gradients
     (flash_qla.ops.context_parallel.split_backward_walk) gives the gradients of the walk over the
     whole sequence, up to rounding: each within GRAD_TOL of the reference. auto_cp on splits (the
-    planner forced to, or by its own decision), off walks whole."""
+    planner forced to, or by its own decision), off walks whole. The split's map and end walks leave
+    out what kkt_solve's bounds show negligible (strong gates: most of it)."""
     seed = zlib.crc32(case.id.encode())
     x, cu, h0 = case_inputs(case, seed)
     do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
@@ -361,6 +362,7 @@ def test_split_backward_matches_whole_walk(case, with_dht, forced, poisoned, mon
             x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu, auto_cp=split
         )
     assert len(splits) == 1, "the backward walk split exactly when the planner said so"
+    assert (splits[0][-2] < 0).any(), "with the bounds (log_norms) of kkt_solve's backward mode, not zeros"
     q, k, v, beta = (x[name].float() for name in ("q", "k", "v", "beta"))
     want = chunk_gated_delta_rule_bwd_ref(
         q, k, v, chunk_local_cumsum(x["g"], cu), beta, do.float(), dht, initial_state=h0, cu_seqlens=cu
@@ -394,7 +396,7 @@ def test_split_training_matches_reference(gate, poisoned, monkeypatch):
     got = _grads(flash_qla_gdr, inputs, do, dht, cu_seqlens=cu)
     want = _grads(reference_gdr, {name: t.float() for name, t in inputs.items()}, do, dht, cu_seqlens=cu)
     assert len(split_walks) == 1 and isinstance(split_walks[0][2], torch.Tensor), "the forward's maps were handed over"
-    assert (split_walks[0][-2] < 0).any(), "and kkt_solve's bounds (log_norms), not the zeros of a backward alone"
+    assert (split_walks[0][-2] < 0).any(), "and kkt_solve's bounds (log_norms)"
     errors = {name: rel_l2(got[name], want[name]) for name in want}
     print(case.id, {name: f"{err:.2e}" for name, err in errors.items()})
     for name in want:

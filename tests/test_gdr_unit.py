@@ -387,6 +387,49 @@ def test_kkt_log_norms_bound_each_chunk_transition():
     assert (tight <= BOUND_TOL).all(), tight.max()
 
 
+@pytest.mark.parametrize("beta_dtype", ["float32", "bfloat16"])
+def test_kkt_backward_mode_gives_the_forward_modes_terms(beta_dtype):
+    """kkt_solve's backward mode (the low-level backward's, from the forward's g_cum) writes bitwise
+    the forward mode's γ, gates, P and log_norms (the bounds its split walks skip by), and neither A
+    nor g_cum: varlen with a chunk of one token, strong gates, heads whose tokens grow the state.
+    γ past a chunk's last token is nothing either reads (the gates are 0 there): the forward mode's
+    cumsum carries γ_L on there, the backward mode leaves 0."""
+    from flash_qla.arch import get_profile
+    from flash_qla.ops.chunks import chunk_table
+    from flash_qla.ops.kkt_solve import kkt_solve_kernel
+
+    seqlens, (Hqk, Hv), C = (1, 63, 65, 130, 700), (2, 8), 64
+    T, slots = sum(seqlens), sum(seqlens) // C + len(seqlens)
+    x, cu, _ = case_inputs(Case("kkt_modes", seqlens, heads=(Hqk, Hv), gate="strong"), seed=15)
+    q, k, g = x["q"][0].contiguous(), x["k"][0].contiguous(), x["g"][0].float().contiguous()
+    beta = (2.5 * torch.rand(T, Hv, generator=torch.Generator().manual_seed(16))).to("cuda", getattr(torch, beta_dtype))
+    table, profile = chunk_table(cu, C, slots), get_profile(q.device)
+
+    def outputs():
+        nan = float("nan")
+        return {
+            "g_cum": torch.full((T, Hv), nan, device="cuda"),
+            "gamma": torch.full((Hv, slots, C), nan, device="cuda"),
+            "gates": torch.full((Hv, slots, 2, C), nan, device="cuda"),
+            "A": torch.full((T, Hv, C), nan, dtype=q.dtype, device="cuda"),
+            "P": torch.full((T, Hv, C), nan, dtype=q.dtype, device="cuda"),
+            "log_norms": torch.full((Hv, slots), nan, device="cuda"),
+        }
+
+    fwd, bwd = outputs(), outputs()
+    kkt_solve_kernel(Hqk, Hv, 128, "bfloat16", profile, beta_dtype)(q, k, g, beta, table, *fwd.values(), slots)
+    g_cum = fwd["g_cum"].clone()
+    backward_mode = kkt_solve_kernel(Hqk, Hv, 128, "bfloat16", profile, beta_dtype, True)
+    backward_mode(q, k, g_cum, beta, table, *bwd.values(), slots)
+    inside = torch.arange(C, device="cuda") < table[:, 1:]  # [slots, C]
+    fwd["gamma"], bwd["gamma"] = fwd["gamma"][:, inside], bwd["gamma"][:, inside]
+    for name in ("gamma", "gates", "P", "log_norms"):  # the slots past the last chunk: NaN in both
+        torch.testing.assert_close(bwd[name], fwd[name], rtol=0, atol=0, equal_nan=True, msg=name)
+    chunks = sum(-(-n // C) for n in seqlens)
+    assert torch.isfinite(bwd["P"]).all() and bwd["log_norms"][:, :chunks].isfinite().all()
+    assert bwd["A"].isnan().all() and bwd["g_cum"].isnan().all(), "the backward mode wrote A or g_cum"
+
+
 def test_inference_calls_share_scratch_by_stream(monkeypatch):
     """An inference call (no gradient) keeps kkt_solve's outputs in scratch buffers that the next call
     of the same shapes on the same stream and thread reuses (flash_qla.ops.buffers.scratch); another

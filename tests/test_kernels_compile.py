@@ -217,6 +217,20 @@ def test_opath_walk_roles_meet_at_mbarriers_only():
     assert not re.search(r"\b[qP]\b", signature), signature
 
 
+def test_kkt_backward_mode_writes_the_bounds_and_no_inverse():
+    """kkt_solve's backward mode forms log_norms (the low-level backward's split walks skip by them) from
+    β and K Kᵀ's diagonal, and neither solves (no tf32 merges) nor writes A or g_cum; without BOUNDS
+    (a backward that does not split) it reads no β and writes no log_norms."""
+    source = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", True).get_kernel_source()
+    body = source[source.index("__global__ void __launch_bounds__"):]
+    assert re.search(r"\blog_norms\[[^\]]*\] = ", body) and re.search(r"= beta\[", body)
+    assert TF32_MMA not in body
+    assert not re.search(r"\b(A|g_cum)\[[^\]]*\] = ", body)
+    without = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "float32", True, True, False).get_kernel_source()
+    body = without[without.index("__global__ void __launch_bounds__"):]
+    assert not re.search(r"\blog_norms\[[^\]]*\] = ", body) and not re.search(r"= beta\[", body)
+
+
 @pytest.mark.parametrize("ends_only", [False, True])
 def test_fused_bwd_wide_chains_share_no_barrier(ends_only):
     """As the wide forward: the backward walk's warpgroups meet at no barrier (the stagings of dh
@@ -371,11 +385,11 @@ def test_precompile_lists_every_backward_kernel():
         "compose_maps_kernel",
         "chunk_grads_kernel",
     }
-    # kkt_solve in backward mode; for every V-tile width the states-only walk with and without h0
+    # kkt_solve in backward mode forming the bounds (β in q's dtype and in fp32) and not; for every V-tile width the states-only walk with and without h0
     # (from the checkpoints or the sequences' starts), the forward walk keeping checkpoints with
     # and without h0, the backward walk with and without dht / dh0 and the split backward's
     # offsets walk; the reverse composition with and without dht; chunk_grads storing dβ in q's dtype and in fp32
-    assert len(builds) == 1 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2 + 2
+    assert len(builds) == 3 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2 + 2
     assert not set(builds) & set(forward_kernel_builds(SM90, 16, 32, "bfloat16"))
 
 

@@ -2,7 +2,9 @@
 
 Reads like flash_qla/reference/backward_stages.py:
   1. kkt_solve (backward mode): P = Q Kᵀ ⊙ Γ ⊙ Lower and chunk-major γ (and its
-     exponentials) from g_cum; A is the forward's (kept, not recomputed). After a training
+     exponentials) from g_cum, and the chunks' bounds (log_norms, from β and K Kᵀ's diagonal)
+     that shorten a split walk's extra walks where the gates decay (flash_qla.ops.context_parallel);
+     A is the forward's (kept, not recomputed). After a training
      forward (autograd) this launch is skipped: the forward's kkt_solve wrote the same P, γ
      and gates for its own walk, and training keeps them (`chunk_terms`). That costs P's
      activation memory, the size of A (134 MB a layer at 16/32 and T = 32768 in bf16; γ and
@@ -72,6 +74,7 @@ from flash_qla.ops.forward import (
     beta_kernel_dtype,
     checkpoint_pieces_expected,
     choose_block_v,
+    contiguous_in,
     splits_forward,
     walk_gate,
     walk_kernel,
@@ -143,8 +146,14 @@ def backward_plan(
     N = len(seqlens)
     name = DTYPE_NAMES[dtype]
     slots = T // C + N
-    # backward mode (the last flag): β is not read, g_cum stands in for it
-    kkt = None if kept_terms else executable(kkt_solve_kernel(Hqk, Hv, K, name, profile, "float32", True))
+    beta_name = DTYPE_NAMES.get(beta_dtype, "float32")
+    # a training forward that split hands its maps over: the same pieces then (its planner's decision,
+    # from the same lengths)
+    split = has_maps or (auto_cp and splits_forward(seqlens, Hv, V, profile))
+    kkt = None
+    if not kept_terms:  # backward mode: P, γ and the gates from g_cum, and where the walk splits the bounds
+        kkt = kkt_solve_kernel(Hqk, Hv, K, name, profile, beta_name if split else "float32", True, True, split)
+        kkt = executable(kkt)
     recompute = BV_h = None
     if not kept_states:
         # the empty pieces past the last (a checkpointed walk has room for N + slots // checkpoint_chunks)
@@ -153,9 +162,6 @@ def backward_plan(
         BV_h = choose_block_v(walks, Hv, V, profile, RECOMPUTE_CHUNK_COST)
         has_start = has_checkpoints or has_h0
         recompute = executable(walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, name, profile, has_start, True, True))
-    # a training forward that split hands its maps over: the same pieces then (its planner's decision,
-    # from the same lengths)
-    split = has_maps or (auto_cp and splits_forward(seqlens, Hv, V, profile))
     ends_walk = map_walk = BV_maps = None
     if split:
         pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
@@ -169,7 +175,7 @@ def backward_plan(
     else:
         BV = choose_block_v(N, Hv, V, profile)
         walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_dht, has_h0)
-    grads = executable(chunk_grads_kernel(Hqk, Hv, K, V, name, profile, DTYPE_NAMES.get(beta_dtype, "float32")))
+    grads = executable(chunk_grads_kernel(Hqk, Hv, K, V, name, profile, beta_name))
     blocks = min(multiprocessors(device), slots * Hqk)  # persistent: one block an SM
     return BackwardPlan(
         profile, slots, kkt, recompute, BV_h, split, executable(walk), BV, ends_walk, map_walk, BV_maps, grads, blocks
@@ -202,16 +208,19 @@ def _backward_kernels(
     unbounded = buffers.no_bounds(q.device, Hv)  # the walks' log_norms where their flags say it is not read
     f32 = torch.float32
 
-    # 1. P and chunk-major γ, unless the (training) forward kept its own
+    # 1. P, chunk-major γ and the bounds, unless the (training) forward kept its own
     if chunk_terms is not None:
         P, gamma, gates, _ = chunk_terms
+        log_norms = None if maps is None else maps[1]  # its bounds come with its maps
     else:
         gamma = buffers.new((Hv, slots, C), f32, q)
         gates = buffers.new((Hv, slots, 2, C), f32, q)
         P = buffers.new((T, Hv, C), q.dtype, q)
+        log_norms = buffers.new((Hv, slots), f32, q)  # formed where the walk splits (its plan's kkt)
         g_cum = g_cum[0].to(f32).contiguous()
-        unused = buffers.new((Hv, slots), f32, q)  # log_norms: not formed in backward mode
-        plan.kkt(q, k, g_cum, g_cum, chunks, g_cum, gamma, gates, A, P, unused, slots)  # g_cum stands in for β
+        beta_in = contiguous_in(beta[0], dbeta_dtype) if plan.split else g_cum  # read for the bounds only
+        # backward mode: g_cum is read as g (no cumsum), and A is neither formed nor written
+        plan.kkt(q, k, g_cum, beta_in, chunks, g_cum, gamma, gates, A, P, log_norms, slots)
 
     # 2. states at every chunk start (the final state is a by-product; o is not computed), over
     # the sequences or, from the forward's checkpoints, over pieces of them. On a second stream,
@@ -250,14 +259,14 @@ def _backward_kernels(
     dht = dht.to(f32).contiguous() if has_dht else None
     if plan.split:
         if plan.map_walk is not None:  # the forward did not split: its MAPS walk forms the maps
-            # no decay bound here (kkt_solve's backward mode forms none): every chunk walked
-            log_norms = torch.zeros(Hv, slots, device=q.device)
+            if log_norms is None:  # nor hand bounds over (a training forward, its planner patched): all walked
+                log_norms = torch.zeros(Hv, slots, device=q.device)
             D = maps_of_pieces(
                 plan.map_walk, walk_gate(plan.BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, scale,
                 log_norms, profile,
             )  # fmt: skip
-        else:  # a training forward's, with its bounds (its end walk leaves out the chunks they show negligible)
-            D, log_norms = maps
+        else:  # a training forward's
+            D = maps[0]
         dh0 = split_backward_walk(
             plan.walk, plan.ends_walk, D, walk_gate(plan.BV, gamma, gates), q, k, do, A, P, cu_seqlens,
             slots, seqlens, scale, dht, dh, dv, has_h0, log_norms, profile,
@@ -288,7 +297,9 @@ def _backward_kernels(
 
 def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
     """Every (factory, args) training compiles for one head layout, beyond the inference forward's."""
-    builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, "float32", True))]
+    # kkt_solve in backward mode: forming the bounds (a split walk's), with β in either dtype, and not
+    builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, bd, True)) for bd in (dtype, "float32")]
+    builds.append((kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, "float32", True, True, False)))
     for bv in BLOCK_V_CHOICES:
         # the states-only recompute, over whole sequences or from the checkpoints, and the forward
         # walk keeping checkpoints

@@ -68,8 +68,10 @@ state (the walks round S to the input dtype, 2^-8 of it in bf16, every chunk). U
 at 16/32, 0 %, 18 % and 18 % at 2/8. H200 (benchmark/NOTES.md v43, against the same code with the
 bounds zeroed): training step 16/32 1x32768 3.189 -> 2.831 ms, 2/8 1x32768 0.885 -> 0.728, forward
 2/8 1x32768 0.292 -> 0.210; results within 1.4e-3 of the walks without skips. The backward's own
-split (no training forward before it) has no bound (kkt_solve forms none in backward mode) and
-walks every chunk.
+split (the low-level backward, no training forward before it) takes the same bounds from kkt_solve's
+backward mode, which forms them again (the forward mode's bits): low-level backward 4/16 1x32768
+1.671 -> 1.551 ms, 2/8 1x32768 0.900 -> 0.912 (its map and end walks run beside the recompute
+there, in SMs it leaves idle; benchmark/NOTES.md v46).
 """
 
 import contextlib

@@ -34,6 +34,9 @@ Outputs:
                          columns each: computing them there took 32 exponentials a thread)
     A, P    [T, Hv, C]   input dtype (P with FORM_P); row t holds row (t − chunk start) of its
                          chunk's matrix; columns past the row (and past the chunk's end) are 0
+    log_norms [Hv, slots] fp32 (with P): L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|), a bound on the
+                         log of the norm of the chunk's state transition (the split walks' skips,
+                         flash_qla.ops.context_parallel)
 
 Schedule: grid (Hv, chunk slots), one warpgroup per block, `profile.kkt_blocks_per_sm`
 blocks resident per SM (a register cap for ptxas: blocks overlap each other's loads and
@@ -107,16 +110,28 @@ def kkt_solve_kernel(
     beta_dtype: str = "float32",
     BACKWARD: bool = False,
     FORM_P: bool = True,
+    BOUNDS: bool = True,
 ):
     """Compile (or load from TileLang's cache) the kkt+solve stage for one static config.
 
-    BACKWARD: g is already g_cum (the forward's output) and only gamma, gates and P are written:
-    the low-level backward, given the forward's g_cum and A, needs P and chunk-major γ again (β is
-    not read); a training backward takes the forward's own (flash_qla.ops.backward).
+    BACKWARD: g is already g_cum (the forward's output) and only gamma, gates, P and, with BOUNDS,
+    log_norms are written (no solve, no A): the low-level backward, given the forward's g_cum and A,
+    needs P and chunk-major γ again, and where its walk splits the bounds its map and end walks skip
+    by (the forward mode's bits; β is read for them only); a training backward takes the forward's own
+    (flash_qla.ops.backward).
     FORM_P off: no P (the kernel takes neither q nor P: arguments k, g, ..., A, slots), for
-    fused_fwd_opath, which forms P itself.
+    fused_fwd_opath, which forms P itself; and no log_norms, which are formed with P.
+    BOUNDS off (backward mode only): no log_norms (the argument is not written) and β not read.
+    The bounds cost the backward mode K Kᵀ's product for its diagonal, β's loads and registers (76 ->
+    90 a thread): low-level backward 16/32 8x4096 2.00 -> 2.05 ms, 2/8 8x4096 0.538 -> 0.551 on the
+    H200 where every call formed them, so only a split backward does: 4/16 1x32768 1.671 -> 1.551 ms,
+    2/8 1x32768 0.900 -> 0.912 (its map and end walks run beside the recompute in SMs it leaves idle,
+    so shortening them saves less than the bounds cost; benchmark/NOTES.md v46).
     """
-    assert beta_dtype in (dtype, "float32") and not (BACKWARD and beta_dtype != "float32")
+    assert beta_dtype in (dtype, "float32")
+    assert BOUNDS or BACKWARD, "the forward mode forms the bounds with P"
+    assert BOUNDS or beta_dtype == "float32", "without the bounds β is not read: no variant per dtype"
+    KKT = not BACKWARD or BOUNDS  # K Kᵀ formed: for the solve, or its diagonal for the bounds
     assert FORM_P or not BACKWARD, "the backward mode is there to form P"
     C = profile.chunk
     THREADS = profile.threads
@@ -222,6 +237,8 @@ def kkt_solve_kernel(
                 p_s = T.alloc_shared([C, C + P_PAD], dtype)  # P staged for its store, rows padded
             gam_s = T.alloc_shared([C], accum)
             beta_s = T.alloc_shared([C], accum)
+            if FORM_P and BOUNDS:
+                grow_s = T.alloc_shared([C], accum)  # each token's term of the bound (log_norms)
             # M (strictly lower), overwritten block by block with X = (I + M)⁻¹: each M block is
             # read (diagonal blocks into registers, M₂₁ into T₁) before X takes its place
             x_s = T.alloc_shared([C, C + PAD], accum)
@@ -249,7 +266,7 @@ def kkt_solve_kernel(
                 T.async_copy(k[t0:t0 + C, ihk, :], k_s)
                 for i in T.Parallel(C):
                     gam_s[i] = T.if_then_else(i < valid, g[t0 + i, ih], 0.0)
-                    if not BACKWARD:
+                    if KKT:
                         beta_s[i] = T.if_then_else(i < valid, T.cast(beta[t0 + i, ih], accum), 0.0)
                 if not BACKWARD:
                     T.cumsum(gam_s, dim=0)
@@ -270,30 +287,30 @@ def kkt_solve_kernel(
                 # to run ahead
                 if FORM_P:
                     T.wgmma_gemm(q_s, k_s, QK, transpose_B=True, clear_accum=True)
-                if not BACKWARD:
+                if KKT:
                     T.wgmma_gemm(k_s, k_s, KK, transpose_B=True, clear_accum=True)
                 T.wait_wgmma(0)
                 if FORM_P:
                     T.warpgroup_fence_operand(QK, num_regs=C * C // THREADS)
-                if not BACKWARD:
+                if KKT:
                     T.warpgroup_fence_operand(KK, num_regs=C * C // THREADS)
                 for i, j in T.Parallel(C, C):
                     decay = T.exp2((gam_s[i] - gam_s[j]) * LOG2E)
                     if FORM_P:
                         QK[i, j] = QK[i, j] * decay
-                    if not BACKWARD:
+                    if KKT:
                         KK[i, j] = beta_s[i] * KK[i, j] * decay
                 # the masks in registers, then unconditional copies: two columns a thread in one store
                 for i, j in T.Parallel(C, C):
                     if FORM_P:
                         QK[i, j] = T.if_then_else(j <= i, QK[i, j], 0.0)
+                    # the bound on the chunk's transition norm (flash_qla.ops.context_parallel): token
+                    # i's factor grows the state by at most max(1, |1 − β_i ‖k_i‖²|), β_i ‖k_i‖² on the
+                    # diagonal here (Γ_ii = 1). Stored with P only (the O-path walk's kkt_solve serves no
+                    # split)
+                    if FORM_P and BOUNDS and i == j:
+                        grow_s[i] = T.if_then_else(i < valid, T.max(T.log(T.abs(1.0 - KK[i, j])), 0.0), 0.0)
                     if not BACKWARD:
-                        # the bound on the chunk's transition norm (flash_qla.ops.context_parallel): token
-                        # i's factor grows the state by at most max(1, |1 − β_i ‖k_i‖²|), β_i ‖k_i‖² on the
-                        # diagonal here (Γ_ii = 1); kept in x_s's padding column. Stored with P only (the
-                        # O-path walk's kkt_solve serves no split)
-                        if FORM_P and i == j:
-                            x_s[i, C] = T.if_then_else(i < valid, T.max(T.log(T.abs(1.0 - KK[i, j])), 0.0), 0.0)
                         KK[i, j] = T.if_then_else(j < i and i < valid, KK[i, j], 0.0)
                 for i, j in T.Parallel(C, C):
                     if FORM_P:
@@ -331,10 +348,10 @@ def kkt_solve_kernel(
                         if row < valid:
                             for c in T.vectorized(4):
                                 A[t0 + row, ih, tx % 16 * 4 + c] = x_s[row, tx % 16 * 4 + c] * bcol[c]
-                    if FORM_P and tx < 32:  # L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|)
-                        growth = T.warp_reduce_sum(x_s[tx, C] + x_s[tx + 32, C])
-                        if tx == 0:
-                            log_norms[ih, slot] = growth + gam_s[valid - 1]
+                if FORM_P and BOUNDS and tx < 32:  # L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|)
+                    growth = T.warp_reduce_sum(grow_s[tx] + grow_s[tx + 32])
+                    if tx == 0:
+                        log_norms[ih, slot] = growth + gam_s[valid - 1]
 
     if FORM_P:
 

@@ -131,8 +131,8 @@ def kkt_solve_kernel(
     assert beta_dtype in (dtype, "float32")
     assert BOUNDS or BACKWARD, "the forward mode forms the bounds with P"
     assert BOUNDS or beta_dtype == "float32", "without the bounds β is not read: no variant per dtype"
-    KKT = not BACKWARD or BOUNDS  # K Kᵀ formed: for the solve, or its diagonal for the bounds
     assert FORM_P or not BACKWARD, "the backward mode is there to form P"
+    KKT = not BACKWARD or BOUNDS  # K Kᵀ formed: for the solve, or its diagonal for the bounds
     C = profile.chunk
     THREADS = profile.threads
     GROUPS = Hv // Hqk

@@ -7,6 +7,7 @@ import torch
 from gpu_cases import CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
+from flash_qla.ops.backward import beside_widths
 from flash_qla.ops.chunks import (
     checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces, first_pieces, sequence_pieces,
 )  # fmt: skip
@@ -153,6 +154,23 @@ def test_recompute_over_pieces_runs_wide_tiles(n_seqs, T, Hv, expected):
     """The state recompute's two chains at 128 columns cost 1.4x one at 64, not 2x (measured)."""
     pieces = checkpoint_pieces_expected(n_seqs, T, SM90)
     assert choose_block_v(pieces, Hv, 128, SM90, RECOMPUTE_CHUNK_COST) == expected
+
+
+@pytest.mark.parametrize(
+    "seqlens,Hv,expected",
+    [
+        ((4096,) * 8, 8, (64, 128)),  # apart (64, 64): 128 + 128 blocks, one grid after the other
+        ((1024,) * 8, 8, (64, 128)),
+        ((2048,), 32, (64, 64)),  # apart (32, 32): 128 + 128 blocks; at 64 both fit at once
+        ((4096,) * 8, 16, (128, 128)),  # as apart: neither grid fits beside the other at any width
+        ((4096,) * 8, 32, (128, 128)),
+    ],
+)
+def test_backward_walk_beside_the_recompute(seqlens, Hv, expected):
+    """The recompute's and the backward walk's widths, chosen together (measured best of the pairs tried on the
+    H200, benchmark/NOTES.md v47)."""
+    N, chunks = len(seqlens), -(-sum(seqlens) // (64 * len(seqlens)))
+    assert beside_widths(N, chunks, N, chunks, Hv, 128, SM90) == expected
 
 
 def _pieces_by_hand(seqlens, chunk, every):
@@ -381,9 +399,10 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
         )  # fmt: skip
 
     training = plan((4096,) * 8, 8)  # 2/8 8x4096 after a training forward: recompute, whole walk, chunk_grads
-    assert plan((4096,) * 8, 8) is training and built == ["walk64", "backward_walk64", "chunk_grads bfloat16"]
+    # the walk at 128 columns beside the recompute at 64 (beside_widths)
+    assert plan((4096,) * 8, 8) is training and built == ["backward_walk128", "walk64", "chunk_grads bfloat16"]
     assert training.kkt is None and training.recompute == "launch walk64" and training.BV_h == 64
-    assert (training.split, training.BV, training.walk) == (False, 64, "launch backward_walk64")
+    assert (training.split, training.BV, training.walk) == (False, 128, "launch backward_walk128")
     assert training.grads == "launch chunk_grads bfloat16" and training.blocks == 132 and training.ends_walk is None
     assert training.slots == 8 * 4096 // 64 + 8
     del built[:]
@@ -392,6 +411,7 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
     del built[:]
     kept = plan((4096,) * 8, 8, kept_states=True)  # every state kept: nothing to recompute
     assert kept.recompute is None and kept.BV_h is None and "walk64" not in built
+    assert kept.BV == 64 and "backward_walk64" in built  # the walk alone: its own width (choose_block_v)
     del built[:]
     pieces = plan((32768,), 8, checkpoints=True, maps=True)  # a forward that split: its maps, no MAPS walk
     assert pieces.split and pieces.map_walk is None and pieces.ends_walk is not None
@@ -401,4 +421,4 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
     assert not plan((32768,), 8, auto_cp=False).split  # auto_cp off walks whole
     del built[:]
     fp32_beta = plan((4096,) * 8, 8, beta_dtype=torch.float32)  # chunk_grads stores dβ in β's dtype
-    assert fp32_beta is not training and built == ["walk64", "backward_walk64", "chunk_grads float32"]
+    assert fp32_beta is not training and built == ["backward_walk128", "walk64", "chunk_grads float32"]

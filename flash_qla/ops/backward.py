@@ -41,6 +41,8 @@ Reads like flash_qla/reference/backward_stages.py:
      H200, one stream -> two (benchmark/NOTES.md v19): low-level backward 2/8 1x32768 1.185
      -> 0.926 ms, 4/8 5000+70+0+3000 0.358 -> 0.254; training step 4/8 5000+70+0+3000 0.449 ->
      0.377, 2/8 1x32768 0.941 -> 0.926; 16/32 unchanged within 0.02 ms (its walks fill the SMs);
+     where neither splits, the two widths are chosen together (beside_widths), so that the
+     recompute's grid runs beside the walk's, not after it;
   3. the backward walk (fused_bwd_wide for V-tiles of 64 or 128 columns, fused_bwd for
      narrower ones): the state gradients dS' walked backward in time, dv, dh0. Long
      sequences over few heads walk in pieces where the forward split them (it hands over its
@@ -88,6 +90,50 @@ from flash_qla.ops.launch import executable, on_device, side_stream
 def backward_walk_kernel(BV: int):
     """The backward walk's kernel factory for V-tiles of BV columns (the gate as in walk_gate)."""
     return fused_bwd_wide_kernel if BV in WIDE_BLOCK_V else fused_bwd_kernel
+
+
+# µs a chunk of one block (one SM) of the state recompute and of the backward walk per V-tile width, each alone
+# on the H200 (bf16, K = V = 128, grids of at most one wave, over 2/8 8x4096 and 16/32, 4/16, 2/8 1x2048;
+# benchmark/NOTES.md v47), for their pairing (beside_widths). The forward's tables (flash_qla.ops.forward:
+# CHUNK_COST, RECOMPUTE_CHUNK_COST, sessions 7-11) make the narrow tiles cheaper than they are now against 64
+# columns, and the two chains at 128 columns dearer (the walk's 1.4x one chain, the recompute's 1.5x, where
+# those tables say 2x and 1.75x).
+RECOMPUTE_CHUNK_US = {128: 1.85, 64: 1.22, 32: 1.38, 16: 1.16}
+BACKWARD_CHUNK_US = {128: 2.90, 64: 2.05, 32: 1.94, 16: 1.47}
+
+
+def beside_widths(walks: int, walk_chunks: int, N: int, chunks: int, Hv: int, V: int, profile: ArchProfile):
+    """(BV_h, BV): the V-tile widths of the state recompute (`walks` walks of `walk_chunks` chunks: the
+    sequences, or the checkpoint pieces) and of the backward walk (N sequences of `chunks` chunks), which run
+    at once, the recompute on a second stream.
+
+    Each block of either takes an SM. The walk follows the kernel before it by programmatic launch, so its
+    blocks take their SMs first; the recompute's run on the SMs it leaves while it walks (in rounds) and on
+    all of them after. Modelled: both grids' time is the walk's, if the recompute fits in the SMs left
+    before the walk ends, else the two one after the other (each in waves of the SMs; equal lengths assumed).
+    Choosing the two widths apart (each the least waves x chunk cost for a grid alone) gave each a grid of
+    about one wave, together two, run one after the other. H200, training step, apart -> together (one
+    process, interleaved; gradients bitwise equal; benchmark/NOTES.md v47): 2/8 8x4096 667.6 -> 649.8 µs
+    (the walk at 128 columns beside the recompute at 64), 16/32 1x2048 261.2 -> 218.9 (both at 64), 4/16
+    1x2048 179.4 -> 156.4, 16/32 1x8192 857.3 -> 802.1 (low-level backward 786.3 -> 590.1); 16/32 8x4096
+    unchanged (each grid fills the SMs). Ties go to the faster recompute alone, then to the wider walk.
+    """
+    sms = profile.num_sms
+    best = None
+    for bv in BLOCK_V_CHOICES:
+        blocks = N * Hv * (V // bv)
+        walk = -(-blocks // sms) * chunks * BACKWARD_CHUNK_US[bv]
+        for bv_h in BLOCK_V_CHOICES:
+            blocks_h = walks * Hv * (V // bv_h)
+            alone = -(-blocks_h // sms) * walk_chunks * RECOMPUTE_CHUNK_US[bv_h]
+            both = walk + alone  # one after the other
+            if blocks < sms:  # the recompute's rounds on the SMs the walk leaves
+                rounds = -(-blocks_h // (sms - blocks))
+                both = min(both, max(walk, rounds * walk_chunks * RECOMPUTE_CHUNK_US[bv_h]))
+            key = (both, alone, -bv)
+            if best is None or key < best[0]:
+                best = (key, (bv_h, bv))
+    return best[1]
 
 
 def backward_kernels(
@@ -154,16 +200,16 @@ def backward_plan(
     if not kept_terms:  # backward mode: P, γ and the gates from g_cum, and where the walk splits the bounds
         kkt = kkt_solve_kernel(Hqk, Hv, K, name, profile, beta_name if split else "float32", True, True, split)
         kkt = executable(kkt)
-    recompute = BV_h = None
-    if not kept_states:
-        # the empty pieces past the last (a checkpointed walk has room for N + slots // checkpoint_chunks)
-        # exit at once: the width is chosen for the pieces that walk
-        walks = checkpoint_pieces_expected(N, T, profile) if has_checkpoints else N
-        BV_h = choose_block_v(walks, Hv, V, profile, RECOMPUTE_CHUNK_COST)
-        has_start = has_checkpoints or has_h0
-        recompute = executable(walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, name, profile, has_start, True, True))
-    ends_walk = map_walk = BV_maps = None
-    if split:
+    # the recompute's walks: the sequences, or the checkpoint pieces (the empty pieces past the last, for which a
+    # checkpointed walk has room, exit at once: the widths are chosen for the pieces that walk)
+    chunks = -(-T // (C * N))  # a sequence's, equal lengths assumed
+    walks, walk_chunks = N, chunks
+    if has_checkpoints:
+        walks, walk_chunks = checkpoint_pieces_expected(N, T, profile), profile.checkpoint_chunks
+    ends_walk = map_walk = BV_maps = BV_h = None
+    if split:  # the recompute runs beside the end walk and compose_maps, each width chosen alone
+        if not kept_states:
+            BV_h = choose_block_v(walks, Hv, V, profile, RECOMPUTE_CHUNK_COST)
         pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
         BV = choose_block_v(pieces, Hv, V, profile)
         walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, True, has_h0)
@@ -173,8 +219,15 @@ def backward_plan(
             map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True, False, True)
             map_walk = executable(map_walk)
     else:
-        BV = choose_block_v(N, Hv, V, profile)
+        if kept_states:  # the walk alone
+            BV = choose_block_v(N, Hv, V, profile)
+        else:  # the walk beside the recompute
+            BV_h, BV = beside_widths(walks, walk_chunks, N, chunks, Hv, V, profile)
         walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_dht, has_h0)
+    recompute = None
+    if not kept_states:
+        has_start = has_checkpoints or has_h0
+        recompute = executable(walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, name, profile, has_start, True, True))
     grads = executable(chunk_grads_kernel(Hqk, Hv, K, V, name, profile, beta_name))
     blocks = min(multiprocessors(device), slots * Hqk)  # persistent: one block an SM
     return BackwardPlan(

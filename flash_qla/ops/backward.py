@@ -76,6 +76,7 @@ from flash_qla.ops.forward import (
     beta_kernel_dtype,
     checkpoint_pieces_expected,
     choose_block_v,
+    chunk_step_time,
     contiguous_in,
     splits_forward,
     walk_gate,
@@ -121,14 +122,13 @@ def beside_widths(walks: int, walk_chunks: int, N: int, chunks: int, Hv: int, V:
     sms = profile.num_sms
     best = None
     for bv in BLOCK_V_CHOICES:
+        walk = chunks * chunk_step_time(N, Hv, V, bv, profile, BACKWARD_CHUNK_US)
         blocks = N * Hv * (V // bv)
-        walk = -(-blocks // sms) * chunks * BACKWARD_CHUNK_US[bv]
         for bv_h in BLOCK_V_CHOICES:
-            blocks_h = walks * Hv * (V // bv_h)
-            alone = -(-blocks_h // sms) * walk_chunks * RECOMPUTE_CHUNK_US[bv_h]
+            alone = walk_chunks * chunk_step_time(walks, Hv, V, bv_h, profile, RECOMPUTE_CHUNK_US)
             both = walk + alone  # one after the other
             if blocks < sms:  # the recompute's rounds on the SMs the walk leaves
-                rounds = -(-blocks_h // (sms - blocks))
+                rounds = -(-walks * Hv * (V // bv_h) // (sms - blocks))
                 both = min(both, max(walk, rounds * walk_chunks * RECOMPUTE_CHUNK_US[bv_h]))
             key = (both, alone, -bv)
             if best is None or key < best[0]:

@@ -3,12 +3,12 @@
 Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk over the
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
-for narrower ones. An inference forward (o alone) whose walk runs at 64 columns takes
-fused_fwd_opath instead, which forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096
-157.6 -> 150.3 µs on the H200, benchmark/NOTES.md v37). Long sequences over few heads walk in
-pieces instead (splits_forward, flash_qla.ops.context_parallel). What a call decides from its shapes and
-options alone (the route, the V-tile width, the kernels) is decided once per shapes and options
-(forward_plan): the layers of a model step repeat them. A training forward may keep state
+for narrower ones. An inference forward (o alone) whose walk runs at 64 columns (or would at 32)
+takes fused_fwd_opath instead, which forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096
+157.6 -> 150.3 µs on the H200, benchmark/NOTES.md v37; 16/32 1x32768 896.7 -> 859.3, v48). Long
+sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel).
+What a call decides from its shapes and options alone (the route, the V-tile width, the kernels)
+is decided once per shapes and options (forward_plan): the layers of a model step repeat them. A training forward may keep state
 checkpoints for the backward's recompute (keeps_checkpoints, flash_qla.ops.backward) or,
 asked to (keep_states), every state, so that the backward recomputes none.
 """
@@ -180,11 +180,19 @@ def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
 
 def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, training: bool, output_h: bool):
     """(split, BV, opath): whether the walk splits the sequences into pieces; else the V-tile width of
-    the walk over whole sequences, and whether that walk is fused_fwd_opath (o alone at 64 columns:
-    no training, no h), whose kkt_solve forms no P."""
+    the walk over whole sequences, and whether that walk is fused_fwd_opath (o alone, no training, no
+    h: at 64 columns, and where the walk would take 32), whose kkt_solve forms no P.
+
+    32 columns win choose_block_v only where sequences x heads is 17-33 (their 68-132 blocks one wave),
+    where 64 columns run one wave too: the O path's chunks cost ~8 % more than fused_fwd's at 32, and
+    kkt_solve without P a quarter less. H200, inference forward at 32 / O path (benchmark/NOTES.md v48),
+    µs: 16/32 1x2048 68.7 / 64.9, 1x8192 238.3 / 225.1, 1x32768 896.7 / 859.3, 16/16 2x4096 131.2 / 120.7.
+    At 16 columns (at most 16 sequence-heads) fused_fwd's chunks cost ~30 % less than the O path's: 2/8
+    1x2048 45.2 / 53.2."""
     split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
     BV = None if split else choose_block_v(len(seqlens), Hv, V, profile)
-    return split, BV, BV == OPATH_BLOCK_V and not (training or output_h)
+    opath = BV in (OPATH_BLOCK_V, 32) and not (training or output_h)
+    return split, OPATH_BLOCK_V if opath else BV, opath
 
 
 def walk_kernel(BV: int):

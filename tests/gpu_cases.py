@@ -29,9 +29,9 @@ def record_calls(monkeypatch, module, name):
     returned list: which route a planner took, seen from outside."""
     calls, original = [], getattr(module, name)
 
-    def recorded(*args):
+    def recorded(*args, **kwargs):
         calls.append(args)
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(module, name, recorded)
     return calls
@@ -78,7 +78,7 @@ CASES = [
     Case("gva8_Hv64", (2000,), heads=(8, 64)),
     Case("fp16_dense_B2", (), dense=(2, 1000), dtype=torch.float16, h0=True),
     Case("fp16_varlen_edges", (0, 1, 63, 64, 65, 129), heads=(4, 8), dtype=torch.float16),
-    # 8 sequences x 32 heads: V-tiles of 128 (fused_fwd_wide)
+    # 8 sequences x 32 heads: V-tiles of 128 (fused_fwd_wide) where h is kept or asked for; o alone takes the O path
     Case("fp16_varlen_wide_h0", (0, 1, 63, 64, 65, 700, 129, 1000), dtype=torch.float16, h0=True),
     Case("scale_0.3", (300,), heads=(4, 8), extra={"scale": 0.3}),
     Case("state_v_first", (200, 100), heads=(4, 8), h0=True, extra={"state_v_first": True}),

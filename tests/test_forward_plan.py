@@ -113,22 +113,26 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
         ((4096,) * 8, 8, False, False, (False, 64, True)),  # 2/8 8x4096: o alone at 64 columns
         ((4096,) * 8, 8, True, False, (False, 64, False)),  # training keeps kkt_solve's P for the backward
         ((4096,) * 8, 8, False, True, (False, 64, False)),  # the low-level forward's h
-        ((4096,) * 8, 32, False, False, (False, 128, False)),
-        ((2048,), 32, False, False, (False, 64, True)),  # o alone: the O path where fused_fwd would take 32
+        # o alone where the walk would take 128 columns: the O path over two waves from ~119 sequence-heads
+        ((4096,) * 8, 32, False, False, (False, 64, True)),  # measured 549.7 -> 537.4 µs
+        ((4096,) * 8, 16, False, False, (False, 64, True)),  # 276.5 -> 272.2
+        ((2048,) * 2, 48, False, False, (False, 128, False)),  # 96 sequence-heads: the O path 133.1 -> 135.9
+        ((4096,) * 8, 32, True, False, (False, 128, False)),  # training: fused_fwd_wide at 128
+        ((2048,), 32, False, False, (False, 64, True)),  # o alone where fused_fwd would take 32 (68.7 -> 64.9)
         ((32768,), 32, False, False, (False, 64, True)),
         ((2048,), 32, True, False, (False, 32, False)),  # training: fused_fwd at 32
         ((2048,), 32, False, True, (False, 32, False)),
-        ((2048,), 8, False, False, (False, 16, False)),  # fused_fwd at 16 is the faster walk
+        ((2048,), 8, False, False, (False, 16, False)),  # fused_fwd at 16 is the faster walk (44.9 against 53.2)
         ((32768,), 8, False, False, (True, None, False)),  # pieces
     ],
     ids=[
-        "2/8_8x4096", "training", "output_h", "16/32_8x4096", "16/32_1x2048", "16/32_1x32768", "16/32_1x2048_training",
-        "16/32_1x2048_output_h", "2/8_1x2048", "split",
+        "2/8_8x4096", "training", "output_h", "16/32_8x4096", "4/16_8x4096", "16/48_2x2048", "16/32_8x4096_training",
+        "16/32_1x2048", "16/32_1x32768", "16/32_1x2048_training", "16/32_1x2048_output_h", "2/8_1x2048", "split",
     ],
 )
-def test_o_path_walk_only_for_o_alone_at_64_or_32_columns(seqlens, Hv, training, output_h, expected):
-    """fused_fwd_opath (with kkt_solve forming no P) runs where the walk over whole sequences takes
-    64 or 32 columns (then at 64) and only o and the final state are asked for."""
+def test_o_path_walk_only_for_o_alone_where_it_pays(seqlens, Hv, training, output_h, expected):
+    """fused_fwd_opath (with kkt_solve forming no P) runs where only o and the final state are asked
+    for and the model says kkt_solve's saving pays for its walk (o_path_pays; measured pairs)."""
     assert walk_plan(seqlens, Hv, 128, SM90, True, training, output_h) == expected
 
 

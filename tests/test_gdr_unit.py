@@ -62,8 +62,8 @@ def forward_matches_reference(case):
     assert errors["o"] <= FWD_TOL and errors["final_state"] <= FWD_TOL, errors
 
 
-# inference forwards whose walk runs at 64 columns: fused_fwd_opath, P formed in the walk (CASES has more:
-# GVA 2, 3, 4 and 8, fp16, h0, zero-length and partial chunks)
+# inference forwards that take fused_fwd_opath, P formed in the walk (most of CASES do too, at GVA 2, 3, 4 and 8,
+# fp16, h0, zero-length and partial chunks: flash_qla.ops.forward.o_path_pays)
 OPATH_CASES = [
     Case("opath_gva1_h0", (700, 0, 1, 2000), heads=(16, 16), h0=True),
     Case("opath_strong_gate_edges", (0, 1, 63, 64, 65, 0, 130, 3000), heads=(2, 8), gate="strong"),
@@ -78,6 +78,23 @@ def test_opath_forward_matches_reference(case, poisoned, monkeypatch):
     walks = record_calls(monkeypatch, forward_module, "fused_fwd_opath_kernel")
     forward_matches_reference(case)
     assert walks, "the forward did not take fused_fwd_opath"
+
+
+# inference forwards whose walk stays at 128 columns (96 sequence-heads: flash_qla.ops.forward.o_path_pays keeps
+# fused_fwd_wide; CASES' 128-column layouts take the O path now)
+WIDE_WALK_CASES = [
+    Case("wide128_h0", (333, 2048), heads=(16, 48), h0=True),
+    Case("wide128_fp16_edges_h0", (65, 700, 1), dtype=torch.float16, h0=True),
+]
+
+
+@pytest.mark.parametrize("case", WIDE_WALK_CASES, ids=[c.id for c in WIDE_WALK_CASES])
+def test_wide_walk_forward_matches_reference(case, poisoned, monkeypatch):
+    from flash_qla.ops import forward as forward_module
+
+    walks = record_calls(monkeypatch, forward_module, "fused_fwd_wide_kernel")
+    forward_matches_reference(case)
+    assert [args[4] for args in walks] == [128], "the forward did not walk at 128 columns"
 
 
 LOW_LEVEL = [

@@ -3,14 +3,15 @@
 Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk over the
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
-for narrower ones. An inference forward (o alone) whose walk runs at 64 columns (or would at 32)
-takes fused_fwd_opath instead, which forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096
-157.6 -> 150.3 µs on the H200, benchmark/NOTES.md v37; 16/32 1x32768 896.7 -> 859.3, v48). Long
+for narrower ones. An inference forward (o alone) takes fused_fwd_opath at 64 columns instead
+wherever that pays (o_path_pays: at 64 and 32 columns, and at 128 from ~119 sequence-heads), which
+forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096 157.6 -> 150.3 µs on the H200,
+benchmark/NOTES.md v37; 16/32 1x32768 896.7 -> 859.3, 8x4096 549.7 -> 537.4, v48). Long
 sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel).
 What a call decides from its shapes and options alone (the route, the V-tile width, the kernels)
-is decided once per shapes and options (forward_plan): the layers of a model step repeat them. A training forward may keep state
-checkpoints for the backward's recompute (keeps_checkpoints, flash_qla.ops.backward) or,
-asked to (keep_states), every state, so that the backward recomputes none.
+is decided once per shapes and options (forward_plan): the layers of a model step repeat them. A
+training forward may keep state checkpoints for the backward's recompute (keeps_checkpoints,
+flash_qla.ops.backward) or, asked to (keep_states), every state, so that the backward recomputes none.
 """
 
 from __future__ import annotations
@@ -178,20 +179,45 @@ def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
     return slots // profile.checkpoint_chunks + 1 + n_seqs
 
 
+# µs a chunk of one block (one SM) of the inference forward's walk per V-tile width (fused_fwd_wide, fused_fwd) and of
+# fused_fwd_opath (64 columns), each alone at one wave, and what P costs kkt_solve a chunk of one v-head, for the
+# O path's decision (o_path_pays); H200, bf16, K = V = 128 (benchmark/NOTES.md v48: the walks over 1x2048, 1x8192
+# and 8x4096 at 2/8, 4/16, 16/32; P's cost 6.0-7.1e-3 µs over eight layouts, the O path's gain with the walks'
+# difference added back). CHUNK_COST, against these, makes two chains at 128 columns dearer (2x one at 64 where
+# they take 1.5x); it still picks the widths (choose_block_v) and drives the split model the constants above fit.
+FORWARD_CHUNK_US = {128: 2.13, 64: 1.41, 32: 1.33, 16: 1.06}
+O_PATH_CHUNK_US = {OPATH_BLOCK_V: 1.45}
+KKT_P_CHUNK_US = 0.0065
+
+
+def o_path_pays(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
+    """Whether an inference forward (o alone) over n_seqs sequences runs faster as fused_fwd_opath at 64 columns,
+    with kkt_solve forming no P, than as the walk at BV columns after a kkt_solve forming P.
+
+    Modelled per chunk of each sequence: the walks' waves times their chunk costs, less P's cost over the
+    sequences' chunks of every v-head (equal lengths assumed). A chunk of the O path costs 3 % more than
+    fused_fwd_wide's at 64 columns and 9 % more than fused_fwd's at 32; its two waves where 128 columns run one,
+    36 % more: what P saves kkt_solve pays for that at 64 columns, from ~19 sequence-heads at 32, from ~119 at 128
+    (~237 where 128 columns run two waves), never at 16. H200, inference forward, the
+    walk at the planner's width / the O path, µs (benchmark/NOTES.md v48): 16/32 1x2048 (32) 68.7 / 64.9, 1x32768
+    896.7 / 859.3, 16/16 2x4096 131.2 / 120.7; 4/16 8x4096 (128) 276.5 / 272.2, 16/32 8x4096 549.7 / 537.4, 16/48
+    8x4096 808.4 / 790.4, 16/64 8x4096 1063.8 / 1053.0, 16/16 8x4096 313.7 / 282.0; where the model keeps the walk:
+    2/8 1x2048 (16) 44.9 / 53.2, 16/48 2x2048 (128, 96 sequence-heads) 133.1 / 135.9. Short sequences are
+    within ~2 µs either way, which the model does not resolve (each block's fixed work, left out): 4/16 8x1024
+    79.5 / 79.5, 16/32 8x1024 158.2 / 155.9, 2/8 64x512 161.3 / 163.4 (the model's one miss, 1.3 %).
+    """
+    walk = chunk_step_time(n_seqs, Hv, V, BV, profile, FORWARD_CHUNK_US)
+    o_path = chunk_step_time(n_seqs, Hv, V, OPATH_BLOCK_V, profile, O_PATH_CHUNK_US)
+    return o_path - KKT_P_CHUNK_US * n_seqs * Hv <= walk
+
+
 def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, training: bool, output_h: bool):
     """(split, BV, opath): whether the walk splits the sequences into pieces; else the V-tile width of
-    the walk over whole sequences, and whether that walk is fused_fwd_opath (o alone, no training, no
-    h: at 64 columns, and where the walk would take 32), whose kkt_solve forms no P.
-
-    32 columns win choose_block_v only where sequences x heads is 17-33 (their 68-132 blocks one wave),
-    where 64 columns run one wave too: the O path's chunks cost ~8 % more than fused_fwd's at 32, and
-    kkt_solve without P a quarter less. H200, inference forward at 32 / O path (benchmark/NOTES.md v48),
-    µs: 16/32 1x2048 68.7 / 64.9, 1x8192 238.3 / 225.1, 1x32768 896.7 / 859.3, 16/16 2x4096 131.2 / 120.7.
-    At 16 columns (at most 16 sequence-heads) fused_fwd's chunks cost ~30 % less than the O path's: 2/8
-    1x2048 45.2 / 53.2."""
+    the walk over whole sequences, and whether that walk is fused_fwd_opath (at 64 columns, with
+    kkt_solve forming no P: o alone, no training, no h, where o_path_pays)."""
     split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
     BV = None if split else choose_block_v(len(seqlens), Hv, V, profile)
-    opath = BV in (OPATH_BLOCK_V, 32) and not (training or output_h)
+    opath = not (split or training or output_h) and o_path_pays(len(seqlens), Hv, V, BV, profile)
     return split, OPATH_BLOCK_V if opath else BV, opath
 
 

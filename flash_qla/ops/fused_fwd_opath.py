@@ -63,14 +63,13 @@ and fused_fwd_wide, in one process, µs: 2/8 8x4096 150.3 / 157.6, 4/8 8x4096 15
 stmatrix / ldmatrix (v38, outputs bitwise equal): 2/8 8x4096 149.1 -> 144.3 µs (the barriers
 alone -1.1, the three together -4.8), 4/8 8x4096 151.1 -> 146.4, 16/64 1x2048 80.1 -> 77.8; V
 read under Sᵀ Kᵀ rather than after it, 1.1-1.5 µs more (2/8 145.2-145.8 -> 143.7-144.3). The
-forward takes this walk wherever its walk over whole sequences runs at 64 columns for o alone, and
-where it would run at 32 (3-8 % faster there, v48; flash_qla.ops.forward.walk_plan; a split's pieces
-walk as before); a training forward keeps
+forward takes this walk for o alone wherever flash_qla.ops.forward.o_path_pays says it pays: where
+its walk over whole sequences would run at 64 or 32 columns, and at 128 from ~119 sequence-heads
+(v48: 0.5-2 % faster there, 10 % at 16/16 8x4096; in v38, before V's read moved, 2.4-3.6 % slower at
+16/32, 8/32, 4/16, 16/64, 16/48 8x4096; a split's pieces walk as before). A training forward keeps
 kkt_solve's P for the backward and walks with fused_fwd_wide (this walk with that P loaded into
 the O warpgroups' registers instead of formed: 99-100 µs against fused_fwd_wide's 93 at 2/8
-8x4096, v38 step 6), and the low-level forward's h is fused_fwd_wide's. Where the
-planner picks 128 columns, this walk at 64 is slower (16/32, 8/32, 4/16, 16/64, 16/48 8x4096:
-+2.4 % to +3.6 %, measured before V's read moved, v38 step 3).
+8x4096, v38 step 6), and the low-level forward's h is fused_fwd_wide's.
 """
 
 import tilelang

@@ -198,13 +198,13 @@ def o_path_pays(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile) -> 
     sequences' chunks of every v-head (equal lengths assumed). A chunk of the O path costs 3 % more than
     fused_fwd_wide's at 64 columns and 9 % more than fused_fwd's at 32; its two waves where 128 columns run one,
     36 % more: what P saves kkt_solve pays for that at 64 columns, from ~19 sequence-heads at 32, from ~119 at 128
-    (~237 where 128 columns run two waves), never at 16. H200, inference forward, the
-    walk at the planner's width / the O path, µs (benchmark/NOTES.md v48): 16/32 1x2048 (32) 68.7 / 64.9, 1x32768
-    896.7 / 859.3, 16/16 2x4096 131.2 / 120.7; 4/16 8x4096 (128) 276.5 / 272.2, 16/32 8x4096 549.7 / 537.4, 16/48
-    8x4096 808.4 / 790.4, 16/64 8x4096 1063.8 / 1053.0, 16/16 8x4096 313.7 / 282.0; where the model keeps the walk:
-    2/8 1x2048 (16) 44.9 / 53.2, 16/48 2x2048 (128, 96 sequence-heads) 133.1 / 135.9. Short sequences are
-    within ~2 µs either way, which the model does not resolve (each block's fixed work, left out): 4/16 8x1024
-    79.5 / 79.5, 16/32 8x1024 158.2 / 155.9, 2/8 64x512 161.3 / 163.4 (the model's one miss, 1.3 %).
+    (~237 where 128 columns run two waves), never at 16. H200, inference forward, the walk at the planner's
+    width / the O path, µs (benchmark/NOTES.md v48): 16/32 1x2048 (32) 68.7 / 64.9, 1x32768 896.7 / 859.3, 16/16
+    2x4096 131.2 / 120.7; 4/16 8x4096 (128) 276.5 / 272.2, 16/32 8x4096 549.7 / 537.4, 16/48 8x4096 808.4 / 790.4,
+    16/64 8x4096 1063.8 / 1053.0, 16/16 8x4096 313.7 / 282.0; where the model keeps the walk: 2/8 1x2048 (16)
+    44.9 / 53.2, 16/48 2x2048 (128, 96 sequence-heads) 133.1 / 135.9. Short sequences are within ~2 µs either
+    way, which the model does not resolve (each block's fixed work, left out): 4/16 8x1024 79.5 / 79.5, 16/32
+    8x1024 158.2 / 155.9, 2/8 64x512 161.3 / 163.4 (the model's one miss, 1.3 %).
     """
     walk = chunk_step_time(n_seqs, Hv, V, BV, profile, FORWARD_CHUNK_US)
     o_path = chunk_step_time(n_seqs, Hv, V, OPATH_BLOCK_V, profile, O_PATH_CHUNK_US)

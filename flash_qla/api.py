@@ -126,9 +126,10 @@ def chunk_gated_delta_rule(
         States are laid out [N, Hv, V, K] instead of [N, Hv, K, V].
     auto_cp : bool
         Let the planner split long sequences where that pays (GPU only). The forward walks
-        long sequences over few heads (2/8 at one sequence of 16384 tokens or more, or two;
-        with a gradient to compute also where only its backward gains, e.g. 16/32 at one
-        sequence of 32768) in pieces of 32 chunks that run in parallel, each from its exact start state
+        long sequences over few heads (one sequence of 8192 tokens or more at up to 32 v-heads,
+        or a few such sequences over few heads; with a gradient to compute also where only its
+        backward gains, e.g. 16/32 at one sequence of 12288) in pieces of 32 chunks that run in
+        parallel, each from its exact start state
         (DESIGN.md §1's exact route: o and final_state agree with the unsplit walk within
         rounding; the walks that find the start states leave out the chunks whose effect the gates
         decay below 2^-24 of a state, flash_qla.ops.context_parallel). With a gradient to compute,
@@ -277,9 +278,10 @@ def chunk_gated_delta_rule_bwd(
     dht : Tensor, [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), optional
         Gradient of final_state; None counts as zero.
     auto_cp : bool
-        The backward walk of long sequences over few heads runs in pieces where
-        chunk_gated_delta_rule_fwd would split them (the same gradients within rounding; the
-        lengths are those validation read from cu_seqlens: no second sync).
+        The backward walk of long sequences over few heads runs in pieces where forming the
+        pieces' maps here pays, a narrower margin than chunk_gated_delta_rule_fwd's (2/8 from
+        9000 tokens, 4/16 from 16384; the same gradients within rounding; the lengths are those
+        validation read from cu_seqlens: no second sync).
 
     Returns
     -------

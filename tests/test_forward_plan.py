@@ -19,6 +19,7 @@ from flash_qla.ops.forward import (
     choose_block_v,
     kernel_unsupported_reason,
     keeps_checkpoints,
+    splits_backward,
     splits_forward,
     walk_plan,
 )
@@ -83,25 +84,27 @@ def test_checkpoints_kept_where_pieces_fill_the_gpu(seqlens, Hv, expected):
 @pytest.mark.parametrize(
     "seqlens,Hv,expected",
     [
-        ((32768,), 8, True),  # 64 chains of 512 chunks against 16 x 8 pieces of 32: measured 0.21 vs 0.52 ms
+        ((32768,), 8, True),  # 64 chains of 512 chunks against 16 x 8 pieces of 32: measured 199 vs 592 µs
         ((65536,), 8, True),
         ((32768,), 4, True),
-        ((32768,), 16, True),  # measured 0.37 vs 0.53 ms
+        ((32768,), 16, True),  # measured 395 vs 659 µs
         ((16384,), 16, True),
-        ((32768,), 32, False),  # measured 0.68 vs 0.64 ms
-        ((16384,), 8, True),  # 8 pieces: measured 0.14 vs 0.26 ms
-        ((8192,), 8, False),  # 4 pieces: measured 0.117 vs 0.132 ms, inside the margin
+        ((32768,), 32, True),  # measured 732 vs 859 µs
+        ((16384,), 8, True),  # 8 pieces: measured 119 vs 302 µs
+        ((8192,), 8, True),  # 4 pieces: measured 97 vs 154 µs
+        ((8192,), 32, True),  # measured 228 vs 226 µs: a tie, inside the margin
         ((2048,), 8, False),  # one piece
         ((32768, 32768), 8, True),  # a few long sequences: 32 pieces x 8 heads
         ((32768, 0), 8, True),  # a zero-length sequence has no piece
         ((16384, 16384), 8, True),
-        ((8192,) * 4, 8, False),
+        ((8192,) * 4, 8, True),  # measured 191 vs 221 µs
         ((4096,) * 8, 8, False),  # two pieces a sequence: three walks over them cost more than one
-        ((16384, 16384), 32, False),
+        ((16384, 16384), 32, False),  # measured 733 vs 540 µs
+        ((28672, 4096), 48, True),  # measured 1085 vs 1317 µs
     ],
     ids=["1x32768_8_heads", "1x65536_8_heads", "1x32768_4_heads", "1x32768_16_heads", "1x16384_16_heads",
-         "1x32768_32_heads", "1x16384_8_heads", "1x8192_8_heads", "1x2048", "2x32768", "32768+0", "2x16384",
-         "4x8192", "8x4096", "2x16384_32_heads"],  # fmt: skip
+         "1x32768_32_heads", "1x16384_8_heads", "1x8192_8_heads", "1x8192_32_heads", "1x2048", "2x32768", "32768+0",
+         "2x16384", "4x8192", "8x4096", "2x16384_32_heads", "28672+4096_48_heads"],  # fmt: skip
 )
 def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
     assert splits_forward(seqlens, Hv, 128, SM90) == expected
@@ -119,7 +122,7 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
         ((2048,) * 2, 48, False, False, (False, 128, False)),  # 96 sequence-heads: the O path 133.1 -> 135.9
         ((4096,) * 8, 32, True, False, (False, 128, False)),  # training: fused_fwd_wide at 128
         ((2048,), 32, False, False, (False, 64, True)),  # o alone where fused_fwd would take 32 (68.7 -> 64.9)
-        ((32768,), 32, False, False, (False, 64, True)),
+        ((4096,), 32, False, False, (False, 64, True)),  # (1x32768 splits)
         ((2048,), 32, True, False, (False, 32, False)),  # training: fused_fwd at 32
         ((2048,), 32, False, True, (False, 32, False)),
         ((2048,), 8, False, False, (False, 16, False)),  # fused_fwd at 16 is the faster walk (44.9 against 53.2)
@@ -127,7 +130,7 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
     ],
     ids=[
         "2/8_8x4096", "training", "output_h", "16/32_8x4096", "4/16_8x4096", "16/48_2x2048", "16/32_8x4096_training",
-        "16/32_1x2048", "16/32_1x32768", "16/32_1x2048_training", "16/32_1x2048_output_h", "2/8_1x2048", "split",
+        "16/32_1x2048", "16/32_1x4096", "16/32_1x2048_training", "16/32_1x2048_output_h", "2/8_1x2048", "split",
     ],
 )
 def test_o_path_walk_only_for_o_alone_where_it_pays(seqlens, Hv, training, output_h, expected):
@@ -139,18 +142,42 @@ def test_o_path_walk_only_for_o_alone_where_it_pays(seqlens, Hv, training, outpu
 @pytest.mark.parametrize(
     "seqlens,Hv,expected",
     [
-        ((32768,), 32, True),  # training step measured 3.634 split vs 3.732 ms whole (the forward alone loses)
-        ((16384, 16384), 32, False),  # measured 3.648 split vs 3.451 ms whole
+        ((32768,), 32, True),  # training step measured 2760 split vs 3086 µs whole
+        ((8192,), 32, True),  # measured 786 vs 805 µs
+        ((12288,), 32, True),  # the forward alone walks it whole
+        ((16384, 16384), 32, False),  # measured 2757 vs 2515 µs
         ((32768,), 48, False),
         ((4096,) * 8, 32, False),
         ((32768,), 8, True),  # where the forward alone splits, training does too
     ],
-    ids=["1x32768_32_heads", "2x16384_32_heads", "1x32768_48_heads", "8x4096_32_heads", "1x32768_8_heads"],
+    ids=["1x32768_32_heads", "1x8192_32_heads", "1x12288_32_heads", "2x16384_32_heads", "1x32768_48_heads",
+         "8x4096_32_heads", "1x32768_8_heads"],  # fmt: skip
 )
 def test_training_forward_splits_where_its_backward_gains(seqlens, Hv, expected):
     """A training forward hands its maps to the backward, which then splits without a map walk: it
     splits up to TRAINING_SPLIT_GAIN of the whole walk, beyond the inference margin."""
     assert splits_forward(seqlens, Hv, 128, SM90, True) == expected
+
+
+@pytest.mark.parametrize(
+    "seqlens,Hv,expected",
+    [
+        ((32768,), 8, True),  # low-level backward measured 1.223 split vs 1.650 ms whole
+        ((32768,), 16, True),  # measured 1.797 vs 1.997 ms
+        ((20000, 500, 12000), 8, True),  # measured 0.759 vs 0.895 ms
+        ((9000,), 8, True),  # measured 0.301 vs 0.327 ms
+        ((8192,), 16, False),  # measured 0.449 vs 0.409 ms
+        ((32768,), 32, False),  # measured 2.624 vs 2.268 ms: where the forward splits, this backward does not
+        ((8192,), 32, False),  # measured 0.725 vs 0.592 ms
+        ((2048,), 8, False),  # one piece
+    ],
+    ids=["1x32768_8_heads", "1x32768_16_heads", "20000+500+12000_8_heads", "1x9000_8_heads", "1x8192_16_heads",
+         "1x32768_32_heads", "1x8192_32_heads", "1x2048"],  # fmt: skip
+)
+def test_backward_forms_its_own_maps_only_where_that_pays(seqlens, Hv, expected):
+    """A backward handed no maps (the low-level backward) splits with a narrower margin than the forward:
+    it walks the maps and the end walk itself (splits_backward)."""
+    assert splits_backward(seqlens, Hv, 128, SM90) == expected
 
 
 @pytest.mark.parametrize(

@@ -123,7 +123,7 @@ def test_low_level_forward_intermediates(case, poisoned):
 # The composition of the maps: three bf16 products keep ~16 bits of each operand (1.5e-5), summed
 # over 128 terms a product and a few pieces.
 COMPOSE_TOL = 1e-4
-SPLIT_CASES = [  # sequences the planner would leave whole: the split is forced
+SPLIT_CASES = [  # the split forced on and off, whatever the planner would do
     Case("split_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True),  # 5 pieces, the last partial
     Case("split_one_piece_and_a_bit", (2049,), heads=(4, 16)),  # 33 chunks: a piece of one chunk
     Case("split_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"),

@@ -46,7 +46,7 @@ Reads like flash_qla/reference/backward_stages.py:
   3. the backward walk (fused_bwd_wide for V-tiles of 64 or 128 columns, fused_bwd for
      narrower ones): the state gradients dS' walked backward in time, dv, dh0. Long
      sequences over few heads walk in pieces where the forward split them (it hands over its
-     maps) or, without them, where the forward would (splits_forward, from the lengths
+     maps) or, without them, where forming the maps pays (splits_backward, from the lengths
      validation read; flash_qla.ops.context_parallel.split_backward_walk);
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel.
@@ -72,13 +72,14 @@ from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
     DTYPE_NAMES,
     RECOMPUTE_CHUNK_COST,
+    RECOMPUTE_CHUNK_US,
     WIDE_BLOCK_V,
     beta_kernel_dtype,
     checkpoint_pieces_expected,
     choose_block_v,
     chunk_step_time,
     contiguous_in,
-    splits_forward,
+    splits_backward,
     walk_gate,
     walk_kernel,
 )
@@ -93,13 +94,12 @@ def backward_walk_kernel(BV: int):
     return fused_bwd_wide_kernel if BV in WIDE_BLOCK_V else fused_bwd_kernel
 
 
-# µs a chunk of one block (one SM) of the state recompute and of the backward walk per V-tile width, each alone
-# on the H200 (bf16, K = V = 128, grids of at most one wave, over 2/8 8x4096 and 16/32, 4/16, 2/8 1x2048;
-# benchmark/NOTES.md v47), for their pairing (beside_widths). The forward's tables (flash_qla.ops.forward:
-# CHUNK_COST, RECOMPUTE_CHUNK_COST, sessions 7-11) make the narrow tiles cheaper than they are now against 64
-# columns, and the two chains at 128 columns dearer (the walk's 1.4x one chain, the recompute's 1.5x, where
-# those tables say 2x and 1.75x).
-RECOMPUTE_CHUNK_US = {128: 1.85, 64: 1.22, 32: 1.38, 16: 1.16}
+# µs a chunk of one block (one SM) of the backward walk per V-tile width, alone on the H200 (bf16, K = V = 128,
+# grids of at most one wave, over 2/8 8x4096 and 16/32, 4/16, 2/8 1x2048; benchmark/NOTES.md v47), for its pairing
+# with the state recompute (beside_widths; the recompute's: RECOMPUTE_CHUNK_US). The forward's relative tables
+# (flash_qla.ops.forward: CHUNK_COST, RECOMPUTE_CHUNK_COST, sessions 7-11) make the narrow tiles cheaper than they
+# are now against 64 columns, and the two chains at 128 columns dearer (the walk's 1.4x one chain, the
+# recompute's 1.5x, where those tables say 2x and 1.75x).
 BACKWARD_CHUNK_US = {128: 2.90, 64: 2.05, 32: 1.94, 16: 1.47}
 
 
@@ -146,8 +146,8 @@ def backward_kernels(
     A [1, T, Hv, 64];
     cu_seqlens [N + 1] int32 and the lengths it holds (host ints); dht, initial_state
     [N, Hv, K, V] float32 or None; checkpoints, maps, chunk_terms: what the forward returned for
-    them, or None; auto_cp: the backward walk splits the sequences where the forward walk would
-    (splits_forward); it always splits the pieces of a forward that split (their maps given).
+    them, or None; auto_cp: the backward walk splits the sequences where forming their maps pays
+    (splits_backward); it always splits the pieces of a forward that split (their maps given).
     """
     with on_device(q.device):  # launches go to q's device, not the current one
         return _backward_kernels(
@@ -194,8 +194,8 @@ def backward_plan(
     slots = T // C + N
     beta_name = DTYPE_NAMES.get(beta_dtype, "float32")
     # a training forward that split hands its maps over: the same pieces then (its planner's decision,
-    # from the same lengths)
-    split = has_maps or (auto_cp and splits_forward(seqlens, Hv, V, profile))
+    # from the same lengths); without them the backward forms its own where that pays (splits_backward)
+    split = has_maps or (auto_cp and splits_backward(seqlens, Hv, V, profile))
     kkt = None
     if not kept_terms:  # backward mode: P, γ and the gates from g_cum, and where the walk splits the bounds
         kkt = kkt_solve_kernel(Hqk, Hv, K, name, profile, beta_name if split else "float32", True, True, split)

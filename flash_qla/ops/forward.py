@@ -123,53 +123,87 @@ def walk_time(n_seqs: int, chunks: int, Hv: int, V: int, profile: ArchProfile, c
     return chunks * min(chunk_step_time(n_seqs, Hv, V, bv, profile, cost) for bv in BLOCK_V_CHOICES)
 
 
-# The forward splits a sequence when the split, estimated from the cost tables, is at most
-# SPLIT_GAIN of the walk over the whole sequence (the margin covers the model's error). The split
-# is the three walks over pieces (the maps M and b of flash_qla.ops.context_parallel, then o),
-# the composition (sequential over the pieces) and fixed work (the launches, the final state's
-# copy). Fitted to seven single sequences on the H200 (2/8, 4/16, 16/32 at 8192-65536 tokens,
-# benchmark/NOTES.md v13 step 3), within 10 % of each, in the tables' units (~1.76 µs): the walks
-# over pieces take PIECE_WALKS of walk_time's estimate (they keep no h, and the tables were
-# measured on whole sequences), the composition COMPOSE_PIECE a piece (~2.1 µs), the fixed work
-# SPLIT_FIXED. Measured split / whole (the walks' part, kkt_solve aside): 2/8 1x32768 0.213 /
-# 0.524 ms, 4/16 1x32768 0.366 / 0.532, 2/8 1x8192 0.117 / 0.132, 16/32 1x32768 0.675 / 0.638.
-SPLIT_GAIN = 0.8
-PIECE_WALKS = 0.62
-COMPOSE_PIECE = 1.2
-SPLIT_FIXED = 15
-# A training forward that splits hands its maps to the backward, whose walk then splits the same
-# pieces with no map walk of its own (flash_qla.ops.backward): the backward gains more than the
-# forward's split costs where the estimate is near break-even. Measured on the H200, training step
-# split / whole (forward alone): 16/32 1x32768 3.634 / 3.732 ms (0.978 / 0.916), estimate 1.06 of
-# the whole walk; 16/32 2x16384 3.648 / 3.451 (0.979 / 0.649), estimate 1.83. So a training
-# forward splits up to TRAINING_SPLIT_GAIN. Where the two margins differ, training step with this
-# one / the inference one: 16/32 1x32768 3.656 / 3.690 ms, 1x65536 7.213 / 7.303, 28672+4096
-# 3.663 / 3.693, 1x16384 1.898 / 1.895; 4/16 2x16384 1.811 / 1.824; 2/8 1x8192 0.439 / 0.504
-# (benchmark/NOTES.md v16 step 2).
+# µs a chunk of one block (one SM) of the inference forward's walk per V-tile width (fused_fwd_wide, fused_fwd) and of
+# fused_fwd_opath (64 columns), each alone at one wave, and what P costs kkt_solve a chunk of one v-head, for the
+# O path's decision (o_path_pays); H200, bf16, K = V = 128 (benchmark/NOTES.md v48: the walks over 1x2048, 1x8192
+# and 8x4096 at 2/8, 4/16, 16/32; P's cost 6.0-7.1e-3 µs over eight layouts, the O path's gain with the walks'
+# difference added back); for the split model (splits_forward) too. CHUNK_COST, against these, makes two chains at
+# 128 columns dearer (2x one at 64 where they take 1.5x); it still picks the widths (choose_block_v).
+FORWARD_CHUNK_US = {128: 2.13, 64: 1.41, 32: 1.33, 16: 1.06}
+O_PATH_CHUNK_US = {OPATH_BLOCK_V: 1.45}
+KKT_P_CHUNK_US = 0.0065
+# the same for the backward's state recompute (the walk without o), alone, grids of at most one wave (2/8 8x4096 and
+# 16/32, 4/16, 2/8 1x2048; benchmark/NOTES.md v47): for its pairing with the backward walk (flash_qla.ops.backward)
+# and for the split model's map walks, which walk the same way
+RECOMPUTE_CHUNK_US = {128: 1.85, 64: 1.22, 32: 1.38, 16: 1.16}
+
+# The split model, in µs from the measured chunk costs above (split_ratio): the walk giving o over the pieces, the two
+# map walks (M and b of flash_qla.ops.context_parallel, on two streams beside each other) over the pieces, the
+# composition (sequential over a sequence's pieces, the sequences side by side) and fixed work (launches, the final
+# state's copy), against the walk over whole sequences. Fitted to twelve single- and few-sequence configs on the H200
+# under DESIGN.md §4's gates (2/8, 4/16, 16/32, 8/32 at 8192-32768 tokens; benchmark/NOTES.md v49): the map walks take
+# MAPS_WALKS of one state recompute over the pieces (they skip what the gates make negligible), the composition
+# COMPOSE_PIECE_US a piece, the fixed work SPLIT_FIXED_US; within 30 µs of every measured difference. An inference
+# forward splits up to SPLIT_GAIN. Inference forward split / whole, µs: 2/8 1x8192 97.4 / 153.9 (model 0.71), 2/8
+# 1x32768 198.8 / 592.2 (0.31), 4/16 1x8192 138.8 / 175.3 (0.73), 16/32 1x32768 732.0 / 858.9 (0.83), 2/8 4x8192
+# 190.6 / 220.6 (0.84), 16/32 1x8192 227.5 / 225.5 (0.84, a tie), 16/48 28672+4096 1084.7 / 1316.6 (0.86), 16/32
+# 1x12288 341.2 / 331.0 (1.08), 16/32 2x16384 732.6 / 539.6 (1.52). Gates that never decay leave the map walks
+# nothing to skip (twice MAPS_WALKS): there the split loses where the model says 0.83-0.84 (g = -1e-3 everywhere:
+# 16/32 1x32768 969.7 / 862.3, 16/32 1x8192 270.8 / 223.9, 2/8 4x8192 261.4 / 220.0) and still gains at 0.71
+# (2/8 1x8192 143.5 / 152.7).
+SPLIT_GAIN = 0.9
+MAPS_WALKS = 1.07
+COMPOSE_PIECE_US = 2.1
+SPLIT_FIXED_US = 3.6
+# A training forward that splits hands its maps to the backward, whose walk then splits the same pieces with no map
+# walk of its own (flash_qla.ops.backward): the backward gains more than the forward's split costs, so a training
+# forward splits up to TRAINING_SPLIT_GAIN of the whole walk. Training step split / whole, µs (benchmark/NOTES.md
+# v49): 16/32 1x8192 785.8 / 805.3, 8/32 1x8192 761.0 / 790.9, 2/8 4x8192 698.9 / 795.6, 16/32 1x32768 2759.6 /
+# 3085.5, 16/32 28672+4096 2771.2 / 3357.8 (model 0.83-0.88), 16/32 1x12288 1183.2 / 1187.5 (model 1.08); 16/64
+# 28672+4096 5274.7 / 5158.0 (model 1.14), 16/32 2x16384 2756.7 / 2514.8 (model 1.52).
 TRAINING_SPLIT_GAIN = 1.1
+# The low-level backward (no forward's maps) splits only up to BACKWARD_SPLIT_GAIN: it walks the maps itself and its
+# end walk besides, against a whole backward that hides the state recompute beside its walk. H200, split / whole, ms
+# (benchmark/NOTES.md v14, v15, v49): 2/8 1x32768 (model 0.31) 1.223 / 1.650, 2/8 16384x2 (0.56) 0.921 / 1.007, 4/16
+# 1x32768 (0.55) 1.797 / 1.997, 2/8 1x9000 (0.68) 0.301 / 0.327, 2/8 20000+500+12000 (0.69) 0.759 / 0.895; 2/8
+# 1x8192 (0.71) 0.268 / 0.274, 4/16 1x8192 (0.73) 0.449 / 0.409, 16/32 1x8192 (0.84) 0.725 / 0.592, 16/32 1x32768
+# (0.83) 2.624 / 2.268. The one miss: 8/24 1x32768 (0.63) 1.971 / 1.854, where 24 chains fill more of the GPU
+# than the model's forward walk credits.
+BACKWARD_SPLIT_GAIN = 0.7
 
 
-def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: bool = False) -> bool:
-    """Whether the forward walks its sequences in pieces of profile.checkpoint_chunks chunks
-    (flash_qla.ops.context_parallel, the exact route of DESIGN.md §1).
+def split_ratio(seqlens, Hv: int, V: int, profile: ArchProfile) -> float:
+    """The walk in pieces of profile.checkpoint_chunks chunks (flash_qla.ops.context_parallel, the exact route of
+    DESIGN.md §1) over the walk over whole sequences, as estimated (inf where no sequence is longer than a piece).
 
-    Pays where sequences are long and Hv · V / BV chains leave SMs idle (2/8 or 4/16 at one
-    sequence of 16384 tokens and more, or a few such sequences; in training, where the backward
-    walk splits with it, also 16/32 at one sequence of 32768). The model's walks over pieces
-    count the waves of all pieces (equal lengths assumed, as in walk_time); the composition runs
-    the sequences side by side, as long as the longest one's pieces. training: the forward of a
-    training step (its maps go to the backward), which splits up to TRAINING_SPLIT_GAIN.
+    The model's walks over pieces count the waves of all pieces (equal lengths assumed, as in walk_time); the
+    composition runs the sequences side by side, as long as the longest one's pieces.
     """
     every = profile.checkpoint_chunks
     if max(seqlens) <= every * profile.chunk:  # no sequence longer than one piece
-        return False
+        return float("inf")
     chunks = [-(-n // profile.chunk) for n in seqlens if n > 0]
     pieces = sum(-(-c // every) for c in chunks)
-    maps = 2 * walk_time(pieces, every, Hv, V, profile, RECOMPUTE_CHUNK_COST)
-    walks = PIECE_WALKS * (maps + walk_time(pieces, every, Hv, V, profile, CHUNK_COST))
-    split = walks + COMPOSE_PIECE * -(-max(chunks) // every) + SPLIT_FIXED
-    gain = TRAINING_SPLIT_GAIN if training else SPLIT_GAIN
-    return split <= gain * walk_time(len(chunks), max(chunks), Hv, V, profile, CHUNK_COST)
+    walks = walk_time(pieces, every, Hv, V, profile, FORWARD_CHUNK_US)
+    walks += MAPS_WALKS * walk_time(pieces, every, Hv, V, profile, RECOMPUTE_CHUNK_US)
+    split = walks + COMPOSE_PIECE_US * -(-max(chunks) // every) + SPLIT_FIXED_US
+    return split / walk_time(len(chunks), max(chunks), Hv, V, profile, FORWARD_CHUNK_US)
+
+
+def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: bool = False) -> bool:
+    """Whether the forward walks its sequences in pieces (split_ratio at most SPLIT_GAIN).
+
+    Pays where sequences are long and Hv · V / BV chains leave SMs idle: a single sequence of 8192 tokens and more
+    at up to 32 v-heads, or a few such sequences over few heads. training: the forward of a training step (its maps
+    go to the backward), which splits up to TRAINING_SPLIT_GAIN.
+    """
+    return split_ratio(seqlens, Hv, V, profile) <= (TRAINING_SPLIT_GAIN if training else SPLIT_GAIN)
+
+
+def splits_backward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
+    """Whether a backward handed no forward's maps (the low-level backward) walks in pieces, forming the maps itself:
+    split_ratio at most BACKWARD_SPLIT_GAIN (2/8 from 9000 tokens, 4/16 from 16384; 16/32 stays whole)."""
+    return split_ratio(seqlens, Hv, V, profile) <= BACKWARD_SPLIT_GAIN
 
 
 def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
@@ -177,17 +211,6 @@ def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
     m · checkpoint_chunks (written by the walk where that chunk is inside a sequence), row
     slots // checkpoint_chunks + 1 + n sequence n's initial state."""
     return slots // profile.checkpoint_chunks + 1 + n_seqs
-
-
-# µs a chunk of one block (one SM) of the inference forward's walk per V-tile width (fused_fwd_wide, fused_fwd) and of
-# fused_fwd_opath (64 columns), each alone at one wave, and what P costs kkt_solve a chunk of one v-head, for the
-# O path's decision (o_path_pays); H200, bf16, K = V = 128 (benchmark/NOTES.md v48: the walks over 1x2048, 1x8192
-# and 8x4096 at 2/8, 4/16, 16/32; P's cost 6.0-7.1e-3 µs over eight layouts, the O path's gain with the walks'
-# difference added back). CHUNK_COST, against these, makes two chains at 128 columns dearer (2x one at 64 where
-# they take 1.5x); it still picks the widths (choose_block_v) and drives the split model the constants above fit.
-FORWARD_CHUNK_US = {128: 2.13, 64: 1.41, 32: 1.33, 16: 1.06}
-O_PATH_CHUNK_US = {OPATH_BLOCK_V: 1.45}
-KKT_P_CHUNK_US = 0.0065
 
 
 def o_path_pays(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:

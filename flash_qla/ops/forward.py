@@ -127,7 +127,7 @@ def walk_time(n_seqs: int, chunks: int, Hv: int, V: int, profile: ArchProfile, c
 # fused_fwd_opath (64 columns), each alone at one wave, and what P costs kkt_solve a chunk of one v-head, for the
 # O path's decision (o_path_pays); H200, bf16, K = V = 128 (benchmark/NOTES.md v48: the walks over 1x2048, 1x8192
 # and 8x4096 at 2/8, 4/16, 16/32; P's cost 6.0-7.1e-3 µs over eight layouts, the O path's gain with the walks'
-# difference added back); for the split model (splits_forward) too. CHUNK_COST, against these, makes two chains at
+# difference added back); for the split model (split_ratio) too. CHUNK_COST, against these, makes two chains at
 # 128 columns dearer (2x one at 64 where they take 1.5x); it still picks the widths (choose_block_v).
 FORWARD_CHUNK_US = {128: 2.13, 64: 1.41, 32: 1.33, 16: 1.06}
 O_PATH_CHUNK_US = {OPATH_BLOCK_V: 1.45}

@@ -6,7 +6,7 @@ asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, 
 for narrower ones. An inference forward (o alone) takes fused_fwd_opath at 64 columns instead
 wherever that pays (o_path_pays: at 64 and 32 columns, and at 128 from ~119 sequence-heads), which
 forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096 157.6 -> 150.3 µs on the H200,
-benchmark/NOTES.md v37; 16/32 1x32768 896.7 -> 859.3, 8x4096 549.7 -> 537.4, v48). Long
+benchmark/NOTES.md v37; 16/32 1x32768 walked whole 896.7 -> 859.3, 8x4096 549.7 -> 537.4, v48). Long
 sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel).
 What a call decides from its shapes and options alone (the route, the V-tile width, the kernels)
 is decided once per shapes and options (forward_plan): the layers of a model step repeat them. A
@@ -217,17 +217,17 @@ def o_path_pays(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile) -> 
     """Whether an inference forward (o alone) over n_seqs sequences runs faster as fused_fwd_opath at 64 columns,
     with kkt_solve forming no P, than as the walk at BV columns after a kkt_solve forming P.
 
-    Modelled per chunk of each sequence: the walks' waves times their chunk costs, less P's cost over the
-    sequences' chunks of every v-head (equal lengths assumed). A chunk of the O path costs 3 % more than
-    fused_fwd_wide's at 64 columns and 9 % more than fused_fwd's at 32; its two waves where 128 columns run one,
-    36 % more: what P saves kkt_solve pays for that at 64 columns, from ~19 sequence-heads at 32, from ~119 at 128
-    (~237 where 128 columns run two waves), never at 16. H200, inference forward, the walk at the planner's
-    width / the O path, µs (benchmark/NOTES.md v48): 16/32 1x2048 (32) 68.7 / 64.9, 1x32768 896.7 / 859.3, 16/16
-    2x4096 131.2 / 120.7; 4/16 8x4096 (128) 276.5 / 272.2, 16/32 8x4096 549.7 / 537.4, 16/48 8x4096 808.4 / 790.4,
-    16/64 8x4096 1063.8 / 1053.0, 16/16 8x4096 313.7 / 282.0; where the model keeps the walk: 2/8 1x2048 (16)
-    44.9 / 53.2, 16/48 2x2048 (128, 96 sequence-heads) 133.1 / 135.9. Short sequences are within ~2 µs either
-    way, which the model does not resolve (each block's fixed work, left out): 4/16 8x1024 79.5 / 79.5, 16/32
-    8x1024 158.2 / 155.9, 2/8 64x512 161.3 / 163.4 (the model's one miss, 1.3 %).
+    Modelled per chunk of each sequence: the walks' waves times their chunk costs, less P's cost over the sequences'
+    chunks of every v-head (equal lengths assumed). A chunk of the O path costs 3 % more than fused_fwd_wide's at 64
+    columns and 9 % more than fused_fwd's at 32; its two waves where 128 columns run one, 36 % more: what P saves
+    kkt_solve pays for that at 64 columns, from ~19 sequence-heads at 32, from ~119 at 128 (~237 where 128 columns
+    run two waves), never at 16. H200, inference forward, the walk at the planner's width / the O path, µs
+    (benchmark/NOTES.md v48): 16/32 1x2048 (32) 68.7 / 64.9, 1x32768 (whole) 896.7 / 859.3, 16/16 2x4096 131.2 /
+    120.7; 4/16 8x4096 (128) 276.5 / 272.2, 16/32 8x4096 549.7 / 537.4, 16/48 8x4096 808.4 / 790.4, 16/64 8x4096
+    1063.8 / 1053.0, 16/16 8x4096 313.7 / 282.0; where the model keeps the walk: 2/8 1x2048 (16) 44.9 / 53.2, 16/48
+    2x2048 (128, 96 sequence-heads) 133.1 / 135.9. Short sequences are within ~2 µs either way, which the model does
+    not resolve (each block's fixed work, left out): 4/16 8x1024 79.5 / 79.5, 16/32 8x1024 158.2 / 155.9, 2/8 64x512
+    161.3 / 163.4 (the model's one miss, 1.3 %).
     """
     walk = chunk_step_time(n_seqs, Hv, V, BV, profile, FORWARD_CHUNK_US)
     o_path = chunk_step_time(n_seqs, Hv, V, OPATH_BLOCK_V, profile, O_PATH_CHUNK_US)

@@ -13,7 +13,7 @@ from flash_qla.ops.chunks import (
 )  # fmt: skip
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
-    RECOMPUTE_CHUNK_COST,
+    RECOMPUTE_CHUNK_US,
     checkpoint_pieces_expected,
     checkpoint_rows,
     choose_block_v,
@@ -45,10 +45,15 @@ def test_chunk_offsets(seqlens, expected):
 
 @pytest.mark.parametrize(
     "n_seqs,Hv,expected",
-    [(8, 32, 128), (1, 32, 32), (1, 8, 16), (2, 8, 16), (2, 16, 32), (2, 64, 128), (1, 64, 64), (1, 48, 64), (5, 32, 64)],
+    [
+        (8, 32, 128), (1, 32, 32), (1, 8, 16), (2, 8, 16), (2, 16, 32), (2, 64, 128), (1, 64, 64), (1, 48, 64),
+        (5, 32, 64),  # 2 waves of 128 columns (4.26 µs a chunk) against 3 of 64 (4.23)
+        (9, 32, 128),  # 3 waves of 128 columns against 5 of 64: two chains take 1.5x one, not 2x
+    ],  # fmt: skip
 )
 def test_block_v_least_walk_time(n_seqs, Hv, expected):
-    """One wave of narrow tiles beats one of wide tiles; one wave of wide tiles beats two narrow."""
+    """One wave of narrow tiles beats one of wide tiles; one wave of wide tiles beats two narrow, and three
+    beat five."""
     assert choose_block_v(n_seqs, Hv, 128, SM90) == expected
 
 
@@ -186,12 +191,13 @@ def test_backward_forms_its_own_maps_only_where_that_pays(seqlens, Hv, expected)
         (1, 32768, 32, 128),  # 16 pieces x 32 heads: 4 waves of 128 columns beat 8 of 64
         (1, 32768, 8, 128),  # 16 x 8: one wave of 128 columns beats two of 64
         (1, 8192, 32, 128),
+        (36, 36 * 1024, 8, 128),  # 3 waves of 128 columns beat 5 of 64 (training step 752.2 -> 744.7 µs, v50)
     ],
 )
 def test_recompute_over_pieces_runs_wide_tiles(n_seqs, T, Hv, expected):
     """The state recompute's two chains at 128 columns cost 1.4x one at 64, not 2x (measured)."""
     pieces = checkpoint_pieces_expected(n_seqs, T, SM90)
-    assert choose_block_v(pieces, Hv, 128, SM90, RECOMPUTE_CHUNK_COST) == expected
+    assert choose_block_v(pieces, Hv, 128, SM90, RECOMPUTE_CHUNK_US) == expected
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,6 @@ from flash_qla.ops.context_parallel import maps_of_pieces, split_backward_walk
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
     DTYPE_NAMES,
-    RECOMPUTE_CHUNK_COST,
     RECOMPUTE_CHUNK_US,
     WIDE_BLOCK_V,
     beta_kernel_dtype,
@@ -96,10 +95,10 @@ def backward_walk_kernel(BV: int):
 
 # µs a chunk of one block (one SM) of the backward walk per V-tile width, alone on the H200 (bf16, K = V = 128,
 # grids of at most one wave, over 2/8 8x4096 and 16/32, 4/16, 2/8 1x2048; benchmark/NOTES.md v47), for its pairing
-# with the state recompute (beside_widths; the recompute's: RECOMPUTE_CHUNK_US). The forward's relative tables
-# (flash_qla.ops.forward: CHUNK_COST, RECOMPUTE_CHUNK_COST, sessions 7-11) make the narrow tiles cheaper than they
-# are now against 64 columns, and the two chains at 128 columns dearer (the walk's 1.4x one chain, the
-# recompute's 1.5x, where those tables say 2x and 1.75x).
+# with the state recompute (beside_widths; the recompute's: RECOMPUTE_CHUNK_US). Against 64 columns its two chains at
+# 128 take 1.4x one chain, the recompute's 1.5x. The backward walk over pieces (a split) takes its width from the
+# forward walk's table (flash_qla.ops.forward.FORWARD_CHUNK_US), which picks as this one does on DESIGN.md §4's
+# layouts at 8-64 pieces except 8/24 at 8 (64 columns where this table takes 128; not measured).
 BACKWARD_CHUNK_US = {128: 2.90, 64: 2.05, 32: 1.94, 16: 1.47}
 
 
@@ -209,13 +208,13 @@ def backward_plan(
     ends_walk = map_walk = BV_maps = BV_h = None
     if split:  # the recompute runs beside the end walk and compose_maps, each width chosen alone
         if not kept_states:
-            BV_h = choose_block_v(walks, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+            BV_h = choose_block_v(walks, Hv, V, profile, RECOMPUTE_CHUNK_US)
         pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
         BV = choose_block_v(pieces, Hv, V, profile)
         walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, True, has_h0)
         ends_walk = executable(backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, False, True, True))
         if not has_maps:  # the forward did not split: its MAPS walk forms them
-            BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+            BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_US)
             map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True, False, True)
             map_walk = executable(map_walk)
     else:

@@ -51,20 +51,29 @@ BLOCK_V_CHOICES = (128, 64, 32, 16)  # V-tile widths of the forward walk, widest
 # tiles this wide run the transposed walks (fused_fwd_wide, fused_bwd_wide: one consumer
 # warpgroup and one chain per 64 columns); narrower ones fused_fwd and fused_bwd
 WIDE_BLOCK_V = (128, 64)
-# time of one chunk of the forward walk per V-tile width, relative to fused_fwd at BV = 64,
-# measured on the H200 with one block per SM (benchmark/NOTES.md, v7 steps 1-2 and v10): a
-# narrow tile reads q, k, A and P and runs K S for fewer columns, but not proportionally less;
-# the transposed walk at 64 columns takes 0.8 of fused_fwd's time there; at 128 it runs two
-# chains that slow each other down, but not to twice the time
-CHUNK_COST = {128: 1.6, 64: 0.8, 32: 0.71, 16: 0.58}
-# the same for the backward's state recompute (the walk without o: no q or P tiles, no Q S or
-# P v_new), in the same units: its two chains at 128 columns slow each other less (H200, over
-# checkpoint pieces and whole sequences, benchmark/NOTES.md v11 step 5)
-RECOMPUTE_CHUNK_COST = {128: 1.4, 64: 0.8, 32: 0.67, 16: 0.51}
+# µs a chunk of one block (one SM) of the inference forward's walk per V-tile width (fused_fwd_wide, fused_fwd) and of
+# fused_fwd_opath (64 columns), each alone at one wave, and what P costs kkt_solve a chunk of one v-head; H200, bf16,
+# K = V = 128 (benchmark/NOTES.md v48: the walks over 1x2048, 1x8192 and 8x4096 at 2/8, 4/16, 16/32; P's cost
+# 6.0-7.1e-3 µs over eight layouts, the O path's gain with the walks' difference added back). They pick the forward
+# walk's width and the backward walk's over pieces (choose_block_v), decide the O path (o_path_pays) and model the
+# split (split_ratio). A narrow tile reads q, k, A and P and runs K S for fewer columns, but not proportionally less
+# time; at 128 columns the transposed walk runs two chains that slow each other down, 1.5x one at 64.
+FORWARD_CHUNK_US = {128: 2.13, 64: 1.41, 32: 1.33, 16: 1.06}
+O_PATH_CHUNK_US = {OPATH_BLOCK_V: 1.45}
+KKT_P_CHUNK_US = 0.0065
+# the same for the backward's state recompute (the walk without o), alone, grids of at most one wave (2/8 8x4096 and
+# 16/32, 4/16, 2/8 1x2048; benchmark/NOTES.md v47): its width, its pairing with the backward walk
+# (flash_qla.ops.backward), the checkpoints' decision and the split model's map walks, which walk the same way.
+# These tables replaced relative ones (sessions 7-11), which made the two chains at 128 columns dearer against 64
+# (2x one, where they take 1.5x) and took 64 columns where these take 128, at many sequences x heads only (2/8 from
+# 34 sequences, 4/16 from 17, 16/32 from 9): training step relative -> these, µs (benchmark/NOTES.md v50): 2/8
+# 36x1024 752.2 -> 744.7, 40x512 432.8 -> 428.2, 4/16 18x1024 745.5 -> 738.6, 20x2048 1553.6 -> 1543.9, 16/32 9x1024
+# 769.1 -> 761.5, 10x2048 1589.1 -> 1577.6; inference forward unchanged; gradients bitwise equal.
+RECOMPUTE_CHUNK_US = {128: 1.85, 64: 1.22, 32: 1.38, 16: 1.16}
 
 
-def chunk_step_time(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile, cost=CHUNK_COST) -> float:
-    """Time of a walk over n_seqs sequences per chunk of each, in units of the cost table.
+def chunk_step_time(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile, cost=FORWARD_CHUNK_US) -> float:
+    """µs of a walk over n_seqs sequences per chunk of each, from the table of µs a chunk (`cost`).
 
     The walk runs one block per SM, so its time is the number of waves of blocks
     (n_seqs · Hv · V / BV over the SMs, rounded up) times the time of one chunk at that width.
@@ -72,13 +81,13 @@ def chunk_step_time(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile,
     return -(-n_seqs * Hv * (V // BV) // profile.num_sms) * cost[BV]
 
 
-def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile, cost=CHUNK_COST) -> int:
+def choose_block_v(n_seqs: int, Hv: int, V: int, profile: ArchProfile, cost=FORWARD_CHUNK_US) -> int:
     """V-tile width of a fused walk: the least (waves x chunk cost), ties to the wider.
 
     Narrow tiles win when sequences x heads is small (a single long sequence); wide tiles when
-    the grid runs several waves anyway. Equal sequence lengths are assumed. `cost`: the chunk
-    cost table of the walk (CHUNK_COST: the forward's, also used for the backward walk;
-    RECOMPUTE_CHUNK_COST: the state recompute's).
+    the grid runs several waves anyway. Equal sequence lengths are assumed. `cost`: the walk's µs
+    a chunk (FORWARD_CHUNK_US: the forward's, also the backward walk's over pieces;
+    RECOMPUTE_CHUNK_US: the state recompute's and the map walk's).
     """
     return min(BLOCK_V_CHOICES, key=lambda bv: (chunk_step_time(n_seqs, Hv, V, bv, profile, cost), -bv))
 
@@ -111,31 +120,16 @@ def keeps_checkpoints(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
         return False
     chunks = [-(-n // profile.chunk) for n in seqlens]
     pieces = sum(-(-c // every) for c in chunks)
-    recompute = RECOMPUTE_CHUNK_COST
+    recompute = RECOMPUTE_CHUNK_US
     return walk_time(pieces, every, Hv, V, profile, recompute) <= CHECKPOINT_GAIN * walk_time(
         len(chunks), max(chunks), Hv, V, profile, recompute
     )
 
 
 def walk_time(n_seqs: int, chunks: int, Hv: int, V: int, profile: ArchProfile, cost) -> float:
-    """Time of a walk over n_seqs sequences of `chunks` chunks at its best V-tile width, in the
-    units of the cost table."""
+    """µs of a walk over n_seqs sequences of `chunks` chunks at its best V-tile width (`cost`: µs a chunk)."""
     return chunks * min(chunk_step_time(n_seqs, Hv, V, bv, profile, cost) for bv in BLOCK_V_CHOICES)
 
-
-# µs a chunk of one block (one SM) of the inference forward's walk per V-tile width (fused_fwd_wide, fused_fwd) and of
-# fused_fwd_opath (64 columns), each alone at one wave, and what P costs kkt_solve a chunk of one v-head, for the
-# O path's decision (o_path_pays); H200, bf16, K = V = 128 (benchmark/NOTES.md v48: the walks over 1x2048, 1x8192
-# and 8x4096 at 2/8, 4/16, 16/32; P's cost 6.0-7.1e-3 µs over eight layouts, the O path's gain with the walks'
-# difference added back); for the split model (split_ratio) too. CHUNK_COST, against these, makes two chains at
-# 128 columns dearer (2x one at 64 where they take 1.5x); it still picks the widths (choose_block_v).
-FORWARD_CHUNK_US = {128: 2.13, 64: 1.41, 32: 1.33, 16: 1.06}
-O_PATH_CHUNK_US = {OPATH_BLOCK_V: 1.45}
-KKT_P_CHUNK_US = 0.0065
-# the same for the backward's state recompute (the walk without o), alone, grids of at most one wave (2/8 8x4096 and
-# 16/32, 4/16, 2/8 1x2048; benchmark/NOTES.md v47): for its pairing with the backward walk (flash_qla.ops.backward)
-# and for the split model's map walks, which walk the same way
-RECOMPUTE_CHUNK_US = {128: 1.85, 64: 1.22, 32: 1.38, 16: 1.16}
 
 # The split model, in µs from the measured chunk costs above (split_ratio): the walk giving o over the pieces, the two
 # map walks (M and b of flash_qla.ops.context_parallel, on two streams beside each other) over the pieces, the
@@ -388,7 +382,7 @@ def _forward_kernels(
         dtype = DTYPE_NAMES[q.dtype]
         pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
         BV = choose_block_v(pieces, Hv, V, profile)
-        BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_COST)
+        BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_US)
         walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, store_h, KEEP_H=keep_states)
         # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY)
         map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)

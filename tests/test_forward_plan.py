@@ -48,7 +48,8 @@ def test_chunk_offsets(seqlens, expected):
     [
         (8, 32, 128), (1, 32, 32), (1, 8, 16), (2, 8, 16), (2, 16, 32), (2, 64, 128), (1, 64, 64), (1, 48, 64),
         (5, 32, 64),  # 2 waves of 128 columns (4.26 µs a chunk) against 3 of 64 (4.23)
-        (9, 32, 128),  # 3 waves of 128 columns against 5 of 64: two chains take 1.5x one, not 2x
+        (9, 32, 128),  # 3 waves of 128 columns against 5 of 64: two chains take 1.5x one, not 2x (training step
+        # 16/32 9x1024 769.1 -> 761.5 µs with the training forward's walk at 128, benchmark/NOTES.md v50)
     ],  # fmt: skip
 )
 def test_block_v_least_walk_time(n_seqs, Hv, expected):
@@ -191,11 +192,11 @@ def test_backward_forms_its_own_maps_only_where_that_pays(seqlens, Hv, expected)
         (1, 32768, 32, 128),  # 16 pieces x 32 heads: 4 waves of 128 columns beat 8 of 64
         (1, 32768, 8, 128),  # 16 x 8: one wave of 128 columns beats two of 64
         (1, 8192, 32, 128),
-        (36, 36 * 1024, 8, 128),  # 3 waves of 128 columns beat 5 of 64 (training step 752.2 -> 744.7 µs, v50)
+        (36, 36 * 1024, 8, 128),  # 36 pieces x 8 heads: 3 waves of 128 columns beat 5 of 64
     ],
 )
 def test_recompute_over_pieces_runs_wide_tiles(n_seqs, T, Hv, expected):
-    """The state recompute's two chains at 128 columns cost 1.4x one at 64, not 2x (measured)."""
+    """The state recompute's two chains at 128 columns cost 1.5x one at 64, not 2x (measured)."""
     pieces = checkpoint_pieces_expected(n_seqs, T, SM90)
     assert choose_block_v(pieces, Hv, 128, SM90, RECOMPUTE_CHUNK_US) == expected
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from flash_qla.reference.backward_stages import BETA_MIN
 from flash_qla.reference.inputs import make_inputs
 
 
@@ -84,6 +85,9 @@ CASES = [
     Case("state_v_first", (200, 100), heads=(4, 8), h0=True, extra={"state_v_first": True}),
     Case("qk_l2norm", (260,), heads=(4, 8), extra={"use_qk_l2norm_in_kernel": True}),
     Case("beta_fp32", (300, 700), heads=(4, 8), extra={"beta_fp32": True}),  # β not in q's dtype
+    # β = 0 and β below BETA_MIN in some chunks: chunk_grads' dβ by the products there, the quotient elsewhere
+    Case("small_beta", (300, 700), h0=True, extra={"small_beta": True}),
+    Case("fp16_small_beta", (0, 1, 63, 64, 65, 700), dtype=torch.float16, extra={"small_beta": True}),
 ]
 
 
@@ -104,6 +108,9 @@ def case_inputs(case, seed):
         x["g"] = -16 * F.softplus(draw(torch.randn, x["g"]) + math.log(math.expm1(0.1)))
     if case.extra.get("beta_fp32"):
         x["beta"] = torch.sigmoid(draw(torch.randn, x["beta"], torch.float32))
+    if case.extra.get("small_beta"):
+        x["beta"][:, ::197, 0] = 0
+        x["beta"][:, 90::311, -1] = BETA_MIN / 8
     if case.extra.get("use_qk_l2norm_in_kernel"):
         x["q"], x["k"] = x["q"] * 3, x["k"] * 0.5  # not unit norm: the kernel path must normalise
     N = B if case.dense else len(case.seqlens)

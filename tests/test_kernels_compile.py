@@ -267,7 +267,7 @@ LAUNCH_TAIL = re.compile(r"v_int64\) = \(\(int64_t\)(\d+)\);\s*\(\(\(TVMFFIAny\*
 # smem" for 12 or 24 mbarriers), and they count against the same per-block limit
 STATIC_SHARED = re.compile(r"^\s*__shared__\s+(?:__align__\(\d+\)\s+)?(\w+)\s+\w+\[(\d+)\];", re.MULTILINE)
 DYNAMIC_ALIGN = re.compile(r"extern __shared__ __align__\((\d+)\)")
-SHARED_TYPE_BYTES = {"uint64_t": 8, "float": 4}
+SHARED_TYPE_BYTES = {"uint64_t": 8, "float": 4, "int": 4}
 
 
 def shared_memory_bytes(kernel):

@@ -12,8 +12,8 @@ from flash_qla.reference import (
     make_inputs,
     naive_recurrent_gated_delta_rule,
 )
-from flash_qla.reference.backward_stages import chunk_gated_delta_rule_bwd_stages
-from helpers import CASES, FP64_REL, chunk_bounds, cu_seqlens_of, randn_like, rel_err
+from flash_qla.reference.backward_stages import BETA_MIN, chunk_gated_delta_rule_bwd_stages
+from helpers import CASES, Case, FP64_REL, chunk_bounds, cu_seqlens_of, randn_like, rel_err
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -60,6 +60,24 @@ def test_backward_stages_match_chunked_backward(case):
             continue
         assert g.shape == e.shape and g.dtype == e.dtype == torch.float64, name
         assert rel_err(g, e) <= FP64_REL, name
+
+
+def test_backward_stages_take_the_products_where_beta_is_small():
+    """dβ is the quotient rowsum(dU ⊙ v_new) / β² only in chunks whose valid β are all ≥ BETA_MIN (every other case
+    here takes it everywhere); chunks with β = 0 or below BETA_MIN take the products, and still give autograd's
+    gradients. The chunk of tokens 64-127 of the first sequence keeps β as drawn: both forms in one call."""
+    case = Case("varlen-small-beta", lengths=(200, 65), Hqk=1, Hv=2, initial_state=True)
+    x = case.inputs()
+    for t, h, value in ((5, 0, 0.0), (140, 1, BETA_MIN / 4), (210, 0, 0.0), (264, 1, 1e-30)):
+        x["beta"][0, t, h] = value
+    g_cum, A, o, _, final_state = chunk_gated_delta_rule_fwd_ref(**x)
+    do, dht = randn_like(o, seed=1), randn_like(final_state, seed=2)
+    args = (x["q"], x["k"], x["v"], g_cum, x["beta"])
+    options = dict(initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"])
+    got = chunk_gated_delta_rule_bwd_stages(*args, A, do, dht, **options)
+    expected = chunk_gated_delta_rule_bwd_ref(*args, do, dht, **options)
+    for name, g, e in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), got, expected):
+        assert torch.isfinite(g).all() and rel_err(g, e) <= FP64_REL, name
 
 
 @pytest.mark.parametrize("lengths", [(200,), (0, 1, 65, 130), (64, 64, 0)], ids=lambda x: "-".join(map(str, x)))

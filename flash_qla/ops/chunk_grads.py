@@ -8,25 +8,29 @@ rows, 0 elsewhere:
 
     U  = V − diag(e^γ) K S,   v_new = A U                        (recomputed, [C, V])
     N  = K Kᵀ ⊙ Γ ⊙ StrictLower,  P = Q Kᵀ ⊙ Γ                   [C, C]
-    dv_new = scale · Pᵀ dO + diag(e^{γ_L − γ}) K dS'              (recomputed, [C, V])
     dP = scale · dO v_newᵀ ⊙ Lower,  dN = −dU v_newᵀ ⊙ StrictLower
     dq = scale · diag(e^γ) dO Sᵀ + (dP ⊙ Γ) K
     dk = (dP ⊙ Γ)ᵀ Q + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
          − diag(e^γ) dU Sᵀ + diag(e^{γ_L − γ}) v_new dS'ᵀ
-    dβ = rowsum((dv_new − Nᵀ dU) ⊙ W),  W = U − N v_new
+    dβ = rowsum(dU ⊙ v_new) / β²                                  (β_i = A_ii)
+       = rowsum((dv_new − Nᵀ dU) ⊙ W),  W = U − N v_new,          (a chunk with a valid |β| < BETA_MIN)
+         dv_new = scale · Pᵀ dO + diag(e^{γ_L − γ}) K dS'
     dγ = e^γ ⊙ rowsum(scale · dO ⊙ Q S − dU ⊙ K S) − e^{γ_L − γ} ⊙ rowsum(v_new ⊙ K dS')
          + rowsum(R) − colsum(R),  R = dP ⊙ P + dN ⊙ N,
          + at the last valid token: e^{γ_L} ⟨S, dS'⟩ + Σ_i e^{γ_L − γ_i} ⟨v_new_i, (K dS')_i⟩
     dg = reverse cumsum of dγ over the chunk
 
 flash_qla/reference/backward_stages.py derives these and checks them against autograd.
-dβ needs neither β nor the inverse again: A = diag(β) (I + N diag(β))⁻¹, so the
-gradient of N is −dU v_newᵀ and (I + N diag(β))⁻¹ U = U − N v_new.
-dv_new is the backward walk's, formed again here instead of stored there and loaded here:
-K dS' is formed anyway, so dv_new − Nᵀ dU costs one [C, C] x [C, V] product more, (scale ·
-P)ᵀ dO and (−N)ᵀ dU into one accumulator plus the K dS' term (kept in U's tile, rounded to the
-input dtype as the walk's stored dv_new was), for 4 T Hv V bytes less DRAM traffic in bf16
-(the store and the load; benchmark/NOTES.md v17).
+dβ needs no inverse again: A = diag(β) (I + N diag(β))⁻¹, so the gradient of N is −dU v_newᵀ,
+(I + N diag(β))⁻¹ U = U − N v_new = W, v_new = diag(β) W, and dv_new − Nᵀ dU = diag(β)⁻¹ dU: dβ is
+the quotient rowsum(dU ⊙ v_new) / β², summed from v_new's fp32 accumulator as v_new is stored, with
+β read from A's diagonal (A_ii = β_i in the input dtype: exact for β in q's dtype; fp32 β rounded as
+every entry of A is). A chunk whose valid tokens include a |β| < BETA_MIN (β = 0 makes the quotient
+0 / 0; the threshold's reason is in backward_stages) takes the products instead: N v_new, Pᵀ dO and
+Nᵀ dU, three [C, C] x [C, V] products a v-head, with U as A U reads it and dv_new's K dS' term (both
+rounded to the input dtype, the latter as the walk's stored dv_new was) kept in tiles; they run after
+dq and dk's products, where their accumulators cost ptxas no registers (issued where the quotient's
+products ran before, under a branch, they took ptxas to 255 registers and a stack; now 223, none).
 
 Precision: every reduction (dγ, dβ, ⟨S, dS'⟩) sums in fp32; only the operands of the
 tensor-core products are rounded to the input dtype (S and dS' arrive rounded so). dq and
@@ -115,6 +119,7 @@ import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
+from flash_qla.reference.backward_stages import BETA_MIN
 
 LOG2E = 1.4426950408889634
 
@@ -214,7 +219,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             k_s = T.alloc_shared([C, K], dtype)
             do_s = T.alloc_shared([C, V], dtype)  # dO
             du_s = T.alloc_shared([C, V], dtype)  # dU = dv
-            u_s = T.alloc_shared([C, V], dtype)  # V, then U, then diag(e^{γ_L − γ}) K dS'
+            u_s = T.alloc_shared([C, V], dtype)  # V, then U
+            kd_s = T.alloc_shared([C, V], dtype)  # diag(e^{γ_L − γ}) K dS', for dβ's products
             vn_s = T.alloc_shared([C, V], dtype)  # v_new, then dq and dk staged for their stores
             a_s = T.alloc_shared([C, C], dtype)
             n_s = T.alloc_shared([C, C], dtype)  # −N
@@ -235,6 +241,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             vk_s = T.alloc_shared([C, 2], accum, scope="shared")  # ⟨v_new_i, (K dS')_i⟩
             sd_s = T.alloc_shared([C, 2], accum, scope="shared")  # row sums of ⟨S, dS'⟩'s fold
             db_s = T.alloc_shared([C, 2], accum, scope="shared")  # dβ
+            rb_s = T.alloc_shared([C], accum, scope="shared")  # 1 / β², β read from A's diagonal
+            quot_s = T.alloc_shared([1], "int32", scope="shared")  # dβ as the quotient (every valid β ≥ BETA_MIN)
 
             KS = T.alloc_fragment([C, V], accum)  # K S, then U, then W = U − N v_new
             KD = T.alloc_fragment([C, V], accum)  # K dS', then scale Pᵀ dO − Nᵀ dU
@@ -264,6 +272,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             g_last = T.alloc_var(accum)
             at_last = T.alloc_var(accum)
             sd_part = T.alloc_var(accum)
+            small = T.alloc_var(accum)
+            quot = T.alloc_var("int32")
             vk_part = T.alloc_var(accum)
             tx = T.get_thread_binding()
             lane = tx % 32
@@ -305,6 +315,14 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                             gc_s[i] = gam_s[i]
                             eg_s[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
                             ed_s[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
+                            rb_s[i] = 1.0 / (T.cast(a_s[i, i], accum) * T.cast(a_s[i, i], accum))
+                        if tx < 32:  # whether a valid row has |β| < BETA_MIN, read after the next barrier
+                            small = T.if_then_else(
+                                lane < valid and T.abs(T.cast(a_s[lane, lane], accum)) < BETA_MIN, 1.0, 0.0
+                            ) + T.if_then_else(
+                                lane + 32 < valid and T.abs(T.cast(a_s[lane + 32, lane + 32], accum)) < BETA_MIN, 1.0, 0.0
+                            )
+                            quot_s[0] = T.if_then_else(T.warp_reduce_sum(small) == 0.0, 1, 0)
                         # 1. products with the states; U, v_new. Under K S and K dS': ⟨S, dS'⟩, summed in
                         #    fp32, K rows folded onto the C rows of X
                         T.wgmma_gemm(k_s, s_s, KS, clear_accum=True)
@@ -319,6 +337,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         for acc in (KS, KD):
                             T.warpgroup_fence_operand(acc, num_regs=C * V // profile.grads_threads)
                         arrived(pending_after("V"))
+                        quot = quot_s[0]
                         for i, j in T.Parallel(C, V):
                             KS[i, j] = u_s[i, j] - eg_s[i] * KS[i, j]
                         T.copy(KS, u_s)
@@ -328,15 +347,21 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         for i, j in T.Parallel(C, V):
                             vn_s[i, j] = VN[i, j]
                             X[i, j // HALF, j % HALF] = VN[i, j] * KD[i, j]
-                            u_s[i, j] = KD[i, j] * ed_s[i]  # dv_new's K dS' term, in U's tile (free now)
+                            if quot == 0:  # dv_new's K dS' term, for dβ's products
+                                kd_s[i, j] = KD[i, j] * ed_s[i]
                         T.reduce_sum(X, rows, dim=2)
                         T.copy(rows, vk_s)
+                        arrived(pending_after("dU"))
+                        if quot != 0:  # dβ's row sums rowsum(dU ⊙ v_new), over 1 / β² where it is stored
+                            for i, j in T.Parallel(C, V):
+                                X[i, j // HALF, j % HALF] = VN[i, j] * du_s[i, j]
+                            T.reduce_sum(X, rows, dim=2)
+                            T.copy(rows, db_s)
 
                         # 2. the state terms: dq += scale diag(e^γ) dO Sᵀ,
                         #    dk += −diag(e^γ) dU Sᵀ + diag(e^{γ_L − γ}) v_new dS'ᵀ,
                         #    and dγ's e^γ ⊙ rowsum(scale dO ⊙ Q S − dU ⊙ K S) as
                         #    e^γ ⊙ rowsum(scale (dO Sᵀ) ⊙ Q − (dU Sᵀ) ⊙ K), from the same products
-                        arrived(pending_after("dU"))
                         T.gemm(do_s, s_s, Y, transpose_B=True, clear_accum=True)
                         for i, d in T.Parallel(C, K):
                             DQ[i, d] = DQ[i, d] + Y[i, d] * (scale * eg_s[i])
@@ -377,18 +402,14 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                             Rc[i // WARP_ROWS, i % WARP_ROWS, j] = Rr[i, j // (C // 2), j % (C // 2)]
                             dqk_s[i, j] = DP[i, j]
                             dkk_s[i, j] = DN[i, j]
-                            n_s[i, j] = T.if_then_else(j < i, -KK[i, j] * G[i, j], 0.0)  # −N
-                            p_s[i, j] = QK[i, j] * G[i, j] * scale  # scale · P
+                            if quot == 0:  # dβ's products' operands
+                                n_s[i, j] = T.if_then_else(j < i, -KK[i, j] * G[i, j], 0.0)  # −N
+                                p_s[i, j] = QK[i, j] * G[i, j] * scale  # scale · P
                         T.reduce_sum(Rr, r_rows, dim=2)
                         T.copy(r_rows, rr_s)
                         T.reduce_sum(Rc, r_cols, dim=1)
                         T.copy(r_cols, rc_s)
                         T.sync_threads()  # TileLang plans the small static arrays' barriers apart from the tiles'
-
-                        # W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
-                        T.gemm(n_s, vn_s, KS)  # n_s holds −N
-                        T.gemm(p_s, do_s, KD, transpose_A=True, clear_accum=True)
-                        T.gemm(n_s, du_s, KD, transpose_A=True)
 
                         # the [C, C] terms of dq and dk run on the tensor cores under dβ and dγ, which
                         # use none: dq += (dP ⊙ Γ) K, dk += (dP ⊙ Γ)ᵀ Q + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
@@ -397,9 +418,6 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         T.wgmma_gemm(dkk_s, k_s, DK)
                         T.wgmma_gemm(dkk_s, k_s, DK, transpose_A=True)
 
-                        for i, j in T.Parallel(C, V):
-                            X[i, j // HALF, j % HALF] = (u_s[i, j] + KD[i, j]) * KS[i, j]
-                        T.reduce_sum(X, rows, dim=2)
 
                         # dγ of rows lane and 32 + lane and its reverse cumsum over the chunk, in warp 0's
                         # registers by shuffles (no shared tile, no barrier); the last valid token's two
@@ -427,15 +445,27 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                             for r in T.unroll(C // 32):
                                 if r * 32 + lane < valid:
                                     dg[t0 + r * 32 + lane, ih] = dgl[r]
-                        T.copy(rows, db_s)  # dβ's halves, added where dβ is stored
 
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(DQ, num_regs=C * K // profile.grads_threads)
                         T.warpgroup_fence_operand(DK, num_regs=C * K // profile.grads_threads)
+                        # a chunk with a valid |β| < BETA_MIN: W = U − N v_new and dβ = rowsum((dv_new − Nᵀ dU) ⊙ W)
+                        if quot == 0:
+                            for i, j in T.Parallel(C, V):
+                                KS[i, j] = u_s[i, j]
+                            T.gemm(n_s, vn_s, KS)  # n_s holds −N
+                            T.gemm(p_s, do_s, KD, transpose_A=True, clear_accum=True)
+                            T.gemm(n_s, du_s, KD, transpose_A=True)
+                            for i, j in T.Parallel(C, V):
+                                X[i, j // HALF, j % HALF] = (kd_s[i, j] + KD[i, j]) * KS[i, j]
+                            T.reduce_sum(X, rows, dim=2)
+                            T.copy(rows, db_s)  # dβ's halves, added where dβ is stored
                         T.sync_threads()  # dO, dU and U's tile are read for the last time
                         for i in T.Parallel(C):
                             if i < valid:
-                                dbeta[t0 + i, ih] = T.cast(db_s[i, 0] + db_s[i, 1], beta_dtype)
+                                dbeta[t0 + i, ih] = T.cast(
+                                    (db_s[i, 0] + db_s[i, 1]) * T.if_then_else(quot != 0, rb_s[i], 1.0), beta_dtype
+                                )
                         n_ok, n_slot, n_t0, n_ih = next_vhead(hg, slot, t0, ih, item + blocks, next_t0, next_valid)
                         if n_ok:
                             if hg + 1 == GROUPS:  # q and k are read for the last time too

@@ -20,7 +20,7 @@ P = Q Kᵀ ⊙ Γ ⊙ Lower and A = (I + diag(β) N)⁻¹ diag(β) as the forwar
     dQ  = scale diag(e^γ) dO Sᵀ + (dP ⊙ Γ) K
     dK  = (dP ⊙ Γ)ᵀ Q − diag(e^γ) dU Sᵀ + diag(e^{γ_L − γ}) v_new dS'ᵀ
           + (dN ⊙ Γ) K + (dN ⊙ Γ)ᵀ K
-    dβ  = rowsum((dv_new − Nᵀ dU) ⊙ W)
+    dβ  = rowsum((dv_new − Nᵀ dU) ⊙ W) = rowsum(dU ⊙ v_new) / β²   (the quotient: BETA_MIN)
     dγ  = e^γ ⊙ rowsum(scale dO ⊙ Q S − dU ⊙ K S) − e^{γ_L − γ} ⊙ rowsum(v_new ⊙ K dS')
           + rowsum(R) − colsum(R),  R = dP ⊙ P + dN ⊙ N
           and, at the last valid token, + e^{γ_L} ⟨S, dS'⟩ + Σ_i e^{γ_L − γ_i} ⟨v_new_i, (K dS')_i⟩
@@ -29,11 +29,21 @@ P = Q Kᵀ ⊙ Γ ⊙ Lower and A = (I + diag(β) N)⁻¹ diag(β) as the forwar
 Why the β terms need no X = (I + diag(β) N)⁻¹: with A = diag(β) Â, Â = (I + N diag(β))⁻¹
 (push-through identity), the gradient of N is −Âᵀ diag(β) dv_new (Â U)ᵀ diag(β) = −dU v_newᵀ,
 and Â U = W = U − N v_new, so nothing is divided by β and no inverse is formed again.
+The same identities make those factors quotients: v_new = diag(β) W, and dU = Aᵀ dv_new = diag(β) (I + Nᵀ diag(β))⁻¹
+dv_new, so dU + diag(β) Nᵀ dU = diag(β) dv_new, dv_new − Nᵀ dU = diag(β)⁻¹ dU, and dβ = rowsum(dU ⊙ v_new) / β²:
+none of the products N v_new, Pᵀ dO and Nᵀ dU. The kernels take the quotient in a chunk whose valid tokens all have
+|β| ≥ BETA_MIN, the products in any other (β = 0 makes the quotient 0 / 0).
 """
 
 import torch
 
 from flash_qla.reference.chunked import CHUNK_SIZE, _ChunkLayout
+
+# The least |β| for which dβ is the quotient: from 2⁻¹⁰ on, nothing the quotient reads has lost precision in the
+# kernels' dtypes. Row i of A (and of v_new, dU) carries the factor β_i: in fp16 an entry β_i c of A below 2⁻¹⁴ is
+# subnormal, absolute error 2⁻²⁵, which divided by β_i ≥ 2⁻¹⁰ leaves c (of order 1) within 2⁻¹⁵; the fp32 products
+# dU ⊙ v_new ~ β² stay far above underflow. sigmoid(x) < 2⁻¹⁰ needs x < −6.9, and such a chunk only loses the speed.
+BETA_MIN = 2.0**-10
 
 
 def chunk_gated_delta_rule_bwd_stages(
@@ -107,7 +117,12 @@ def chunk_gated_delta_rule_bwd_stages(
         + dKK @ k
         + dKK.transpose(-1, -2) @ k
     )
-    dbeta = ((dvn - N_.transpose(-1, -2) @ dU) * W).sum(-1)
+    quotient = ((beta.abs() >= BETA_MIN) | ~valid).all(-1, keepdim=True)  # per chunk and v-head
+    dbeta = torch.where(
+        quotient,
+        (dU * v_new).sum(-1) / torch.where(valid, beta, 1) ** 2,
+        ((dvn - N_.transpose(-1, -2) @ dU) * W).sum(-1),
+    )
     R = dP * P + dN * N_
     vKdS = (v_new * KdS).sum(-1)  # [N, NC, Hv, C]
     dgamma = (

@@ -31,6 +31,12 @@ Nᵀ dU, three [C, C] x [C, V] products a v-head, with U as A U reads it and dv_
 rounded to the input dtype, the latter as the walk's stored dv_new was) kept in tiles; they run after
 dq and dk's products, where their accumulators cost ptxas no registers (issued where the quotient's
 products ran before, under a branch, they took ptxas to 255 registers and a stack; now 223, none).
+The quotient reads dU row by row as the walk stored it (rounded to the input dtype), where the
+products read it only through Nᵀ dU: against the fp32 reference its dβ is 15-55 % further off
+(relative L2, bf16: 16/32 8x4096 3.26e-3 -> 4.31e-3, strong gates 2.37e-3 -> 3.70e-3, the largest,
+2/8 1x32768 weak gates, 4.08e-3 -> 4.78e-3), under half the 1e-2 bar; the other gradients are
+bitwise the same. Training step, H200, one process, interleaved: 16/32 1x32768 2771 -> 2726 µs,
+8x4096 2436 -> 2394, 2/8 8x4096 650 -> 635 (benchmark/NOTES.md v51).
 
 Precision: every reduction (dγ, dβ, ⟨S, dS'⟩) sums in fp32; only the operands of the
 tensor-core products are rounded to the input dtype (S and dS' arrive rounded so). dq and

@@ -43,17 +43,20 @@ def test_chunked_backward_matches_autograd_through_naive(case):
         assert rel_err(got, want) <= FP64_REL, name
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_backward_stages_match_chunked_backward(case):
-    """The stage formulas, fed the forward's A, give the gradients autograd finds through the chunked form."""
-    x = case.inputs()
+def stages_and_chunked_backward(x):
+    """The gradients of the stage formulas (fed the forward's A) and of the chunked backward, for inputs x."""
     g_cum, A, o, _, final_state = chunk_gated_delta_rule_fwd_ref(**x)
     do, dht = randn_like(o, seed=1), randn_like(final_state, seed=2)
     args = (x["q"], x["k"], x["v"], g_cum, x["beta"])
     options = dict(initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"])
     got = chunk_gated_delta_rule_bwd_stages(*args, A, do, dht, **options)
-    expected = chunk_gated_delta_rule_bwd_ref(*args, do, dht, **options)
+    return got, chunk_gated_delta_rule_bwd_ref(*args, do, dht, **options)
 
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_backward_stages_match_chunked_backward(case):
+    """The stage formulas, fed the forward's A, give the gradients autograd finds through the chunked form."""
+    got, expected = stages_and_chunked_backward(case.inputs())
     for name, g, e in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), got, expected):
         if name == "dh0" and not case.initial_state:
             assert g is None and e is None
@@ -70,12 +73,7 @@ def test_backward_stages_take_the_products_where_beta_is_small():
     x = case.inputs()
     for t, h, value in ((5, 0, 0.0), (140, 1, BETA_MIN / 4), (210, 0, 0.0), (264, 1, 1e-30)):
         x["beta"][0, t, h] = value
-    g_cum, A, o, _, final_state = chunk_gated_delta_rule_fwd_ref(**x)
-    do, dht = randn_like(o, seed=1), randn_like(final_state, seed=2)
-    args = (x["q"], x["k"], x["v"], g_cum, x["beta"])
-    options = dict(initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"])
-    got = chunk_gated_delta_rule_bwd_stages(*args, A, do, dht, **options)
-    expected = chunk_gated_delta_rule_bwd_ref(*args, do, dht, **options)
+    got, expected = stages_and_chunked_backward(x)
     for name, g, e in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), got, expected):
         assert torch.isfinite(g).all() and rel_err(g, e) <= FP64_REL, name
 

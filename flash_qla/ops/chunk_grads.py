@@ -29,8 +29,8 @@ every entry of A is). A chunk whose valid tokens include a |β| < BETA_MIN (β =
 0 / 0; the threshold's reason is in backward_stages) takes the products instead: N v_new, Pᵀ dO and
 Nᵀ dU, three [C, C] x [C, V] products a v-head, with U as A U reads it and dv_new's K dS' term (both
 rounded to the input dtype, the latter as the walk's stored dv_new was) kept in tiles; they run after
-dq and dk's products, where their accumulators cost ptxas no registers (issued where the quotient's
-products ran before, under a branch, they took ptxas to 255 registers and a stack; now 223, none).
+dq and dk's products, where their accumulators cost ptxas no registers (under a branch in the place
+the products had before, they took ptxas to 255 registers and a stack; now 223, none).
 The quotient reads dU row by row as the walk stored it (rounded to the input dtype), where the
 products read it only through Nᵀ dU: against the fp32 reference its dβ is 15-55 % further off
 (relative L2, bf16: 16/32 8x4096 3.26e-3 -> 4.31e-3, strong gates 2.37e-3 -> 3.70e-3, the largest,

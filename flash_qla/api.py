@@ -146,9 +146,9 @@ def chunk_gated_delta_rule(
         With a gradient to compute on the GPU, keep the state at every chunk start from the
         forward for the backward (in q's dtype, [T / 64 + N, Hv, K, V]: 512 bytes a token and
         v-head in bf16, 4x the A kept anyway) instead of recomputing them there: memory between
-        the forward and the backward for time. Measured on the H200 (benchmark/NOTES.md v22):
-        a training step at 16/32 over 8 x 4096 tokens 2.568 -> 2.449 ms, 1 x 32768 3.342 ->
-        3.167, 2/8 8 x 4096 0.715 -> 0.653; what the forward keeps for the backward at 16/32
+        the forward and the backward for time. Measured on the H200 (benchmark/NOTES.md v52):
+        a training step at 8/32 over 1 x 32768 tokens 2.642 -> 2.522 ms, 2/8 8 x 4096 0.632 ->
+        0.593, 16/32 1 x 8192 0.771 -> 0.755; what the forward keeps for the backward at 16/32
         over 8 x 4096 tokens 268 -> 788 MiB, the step's peak unchanged (the backward's
         recompute allocates the states anyway). The gradients are the recompute's: the forward walks the
         states with the recompute's arithmetic (bitwise equal in every case tested). Ignored

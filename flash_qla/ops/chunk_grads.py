@@ -424,7 +424,6 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                         T.wgmma_gemm(dkk_s, k_s, DK)
                         T.wgmma_gemm(dkk_s, k_s, DK, transpose_A=True)
 
-
                         # dγ of rows lane and 32 + lane and its reverse cumsum over the chunk, in warp 0's
                         # registers by shuffles (no shared tile, no barrier); the last valid token's two
                         # totals, Σ ⟨S, dS'⟩ rows and Σ_i e^{γ_L − γ_i} vk_i, by warp shuffles too

@@ -13,15 +13,18 @@ from flash_qla.ops.chunks import (
 )  # fmt: skip
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
+    FORWARD_CHUNK_US,
     RECOMPUTE_CHUNK_US,
     checkpoint_pieces_expected,
     checkpoint_rows,
     choose_block_v,
+    chunk_step_time,
     kernel_unsupported_reason,
     keeps_checkpoints,
     splits_backward,
     splits_forward,
     walk_plan,
+    whole_walk_time,
 )
 from flash_qla.precompile import main as precompile_main
 
@@ -106,7 +109,7 @@ def test_checkpoints_kept_where_pieces_fill_the_gpu(seqlens, Hv, expected):
         ((8192,) * 4, 8, True),  # measured 191 vs 221 µs
         ((4096,) * 8, 8, False),  # two pieces a sequence: three walks over them cost more than one
         ((16384, 16384), 32, False),  # measured 733 vs 540 µs
-        ((28672, 4096), 48, True),  # measured 1085 vs 1317 µs
+        ((28672, 4096), 48, False),  # whole (the O path at 64 columns): measured 872 vs 1088 µs split (v53)
     ],
     ids=["1x32768_8_heads", "1x65536_8_heads", "1x32768_4_heads", "1x32768_16_heads", "1x16384_16_heads",
          "1x32768_32_heads", "1x16384_8_heads", "1x8192_8_heads", "1x8192_32_heads", "1x2048", "2x32768", "32768+0",
@@ -133,10 +136,12 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
         ((2048,), 32, False, True, (False, 32, False)),
         ((2048,), 8, False, False, (False, 16, False)),  # fused_fwd at 16 is the faster walk (44.9 against 53.2)
         ((32768,), 8, False, False, (True, None, False)),  # pieces
+        ((28672, 4096), 48, False, False, (False, 64, True)),  # one wave at 64: 872.3 against 1319.8 at 128 (v53)
     ],
     ids=[
         "2/8_8x4096", "training", "output_h", "16/32_8x4096", "4/16_8x4096", "16/48_2x2048", "16/32_8x4096_training",
         "16/32_1x2048", "16/32_1x4096", "16/32_1x2048_training", "16/32_1x2048_output_h", "2/8_1x2048", "split",
+        "16/48_28672+4096",
     ],
 )
 def test_o_path_walk_only_for_o_alone_where_it_pays(seqlens, Hv, training, output_h, expected):
@@ -155,9 +160,10 @@ def test_o_path_walk_only_for_o_alone_where_it_pays(seqlens, Hv, training, outpu
         ((32768,), 48, False),
         ((4096,) * 8, 32, False),
         ((32768,), 8, True),  # where the forward alone splits, training does too
+        ((28672, 4096), 48, True),  # training keeps the equal-length model: 3.99 ms split (v53)
     ],
     ids=["1x32768_32_heads", "1x8192_32_heads", "1x12288_32_heads", "2x16384_32_heads", "1x32768_48_heads",
-         "8x4096_32_heads", "1x32768_8_heads"],  # fmt: skip
+         "8x4096_32_heads", "1x32768_8_heads", "28672+4096_48_heads"],  # fmt: skip
 )
 def test_training_forward_splits_where_its_backward_gains(seqlens, Hv, expected):
     """A training forward hands its maps to the backward, which then splits without a map walk: it
@@ -467,3 +473,24 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
     del built[:]
     fp32_beta = plan((4096,) * 8, 8, beta_dtype=torch.float32)  # chunk_grads stores dβ in β's dtype
     assert fp32_beta is not training and built == ["backward_walk128", "walk64", "chunk_grads float32"]
+
+
+@pytest.mark.parametrize("Hv", [8, 16, 32, 48, 64])
+@pytest.mark.parametrize("BV", [128, 64, 32, 16])
+@pytest.mark.parametrize("seqlens", [(2048,), (4096,) * 8, (32768,), (1024,) * 40])
+def test_whole_walk_time_of_equal_lengths_counts_whole_waves(seqlens, BV, Hv):
+    """Equal lengths: the walk's waves times its chunks (chunk_step_time), as the split and width models had it."""
+    chunks = [n // SM90.chunk for n in seqlens]
+    expected = chunk_step_time(len(seqlens), Hv, 128, BV, SM90) * chunks[0]
+    assert whole_walk_time(chunks, Hv, 128, BV, SM90) == pytest.approx(expected)
+
+
+def test_whole_walk_time_of_unequal_lengths_lets_short_blocks_fill_the_sms():
+    """16/48 28672+4096 at 64 columns: 192 blocks, but the short sequence's 96 follow each other beside the long
+    one's: one walk of 448 chunks, not two waves; a zero-length sequence adds nothing."""
+    one_wave = 448 * FORWARD_CHUNK_US[64]
+    assert whole_walk_time([448, 64], 48, 128, 64, SM90) == pytest.approx(one_wave)
+    assert whole_walk_time([448, 64, 0], 48, 128, 64, SM90) == pytest.approx(one_wave)
+    assert whole_walk_time([0, 0], 48, 128, 64, SM90) == 0.0
+    # past the SMs' room in one long walk the average load decides: 28672 x 3 at 48 v-heads, 64 columns
+    assert whole_walk_time([448, 448, 448, 64], 48, 128, 64, SM90) > 2 * one_wave

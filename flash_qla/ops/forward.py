@@ -131,6 +131,36 @@ def walk_time(n_seqs: int, chunks: int, Hv: int, V: int, profile: ArchProfile, c
     return chunks * min(chunk_step_time(n_seqs, Hv, V, bv, profile, cost) for bv in BLOCK_V_CHOICES)
 
 
+def whole_walk_time(chunks, Hv: int, V: int, BV: int, profile: ArchProfile, cost=FORWARD_CHUNK_US) -> float:
+    """µs of a walk over whole sequences of these chunk counts at V-tile width BV, unequal lengths counted.
+
+    A block (one SM) walks its sequence's chunks. Equal lengths: whole waves (chunk_step_time). Unequal: a short
+    sequence's blocks end early and leave their SMs to the blocks after them (the grid is sequence-major), so the
+    walk takes the longest sequence's chunks or the SMs' average load, whichever is more. H200, inference forward,
+    µs (benchmark/NOTES.md v53): 16/48 28672+4096 (192 blocks at 64 columns) the walk at 64 columns 984.2 against
+    1319.8 at 128 (the equal-length choice) and 1087.9 split; in the other order (4096+28672: the long sequence's
+    last 60 blocks wait for the short one's first) 1064.3. 16/64 28672+4096 (256 blocks) the O path 1043 µs, as
+    1x32768 (1041): one wave, where whole waves would count two. Of the 504 decisions over the planner's test
+    layouts, this model changes 72 from the equal-length one's; the 36 distinct ones, each forced both ways, all
+    ran faster the new way (benchmark/NOTES.md v54): inference e.g. 16/32 20000+500+12000 906.2 -> 608.3 µs (128
+    columns -> the O path), 16/48 8192+2048+2048+1024 527.7 -> 339.8 (split -> the O path), 2/8 3000+1000+200
+    74.2 -> 63.2 (the O path -> 16 columns); training steps 2-8 % (16/64 28672+4096 5033 -> 4782 µs, 128 -> 64).
+    """
+    longest = max(chunks, default=0)
+    if longest == 0:
+        return 0.0
+    per_seq = Hv * (V // BV)
+    if min(chunks) == longest:  # equal lengths: whole waves
+        return chunk_step_time(len(chunks), Hv, V, BV, profile, cost) * longest
+    return max(longest, per_seq * sum(chunks) / profile.num_sms) * cost[BV]
+
+
+def whole_walk_width(chunks, Hv: int, V: int, profile: ArchProfile) -> int:
+    """The forward walk's V-tile width over whole sequences of these chunk counts: the least whole_walk_time,
+    ties to the wider (choose_block_v's choice where the lengths are equal)."""
+    return min(BLOCK_V_CHOICES, key=lambda bv: (whole_walk_time(chunks, Hv, V, bv, profile), -bv))
+
+
 # The split model, in µs from the measured chunk costs above (split_ratio): the walk giving o over the pieces, the two
 # map walks (M and b of flash_qla.ops.context_parallel, on two streams beside each other) over the pieces, the
 # composition (sequential over a sequence's pieces, the sequences side by side) and fixed work (launches, the final
@@ -166,12 +196,14 @@ TRAINING_SPLIT_GAIN = 1.1
 BACKWARD_SPLIT_GAIN = 0.7
 
 
-def split_ratio(seqlens, Hv: int, V: int, profile: ArchProfile) -> float:
+def split_ratio(seqlens, Hv: int, V: int, profile: ArchProfile, unequal: bool = False) -> float:
     """The walk in pieces of profile.checkpoint_chunks chunks (flash_qla.ops.context_parallel, the exact route of
     DESIGN.md §1) over the walk over whole sequences, as estimated (inf where no sequence is longer than a piece).
 
     The model's walks over pieces count the waves of all pieces (equal lengths assumed, as in walk_time); the
-    composition runs the sequences side by side, as long as the longest one's pieces.
+    composition runs the sequences side by side, as long as the longest one's pieces. The whole walk: every
+    sequence as long as the longest (walk_time), or with unequal, at the sequences' own lengths (whole_walk_time
+    at its best width).
     """
     every = profile.checkpoint_chunks
     if max(seqlens) <= every * profile.chunk:  # no sequence longer than one piece
@@ -181,6 +213,8 @@ def split_ratio(seqlens, Hv: int, V: int, profile: ArchProfile) -> float:
     walks = walk_time(pieces, every, Hv, V, profile, FORWARD_CHUNK_US)
     walks += MAPS_WALKS * walk_time(pieces, every, Hv, V, profile, RECOMPUTE_CHUNK_US)
     split = walks + COMPOSE_PIECE_US * -(-max(chunks) // every) + SPLIT_FIXED_US
+    if unequal:
+        return split / min(whole_walk_time(chunks, Hv, V, bv, profile) for bv in BLOCK_V_CHOICES)
     return split / walk_time(len(chunks), max(chunks), Hv, V, profile, FORWARD_CHUNK_US)
 
 
@@ -190,8 +224,17 @@ def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: boo
     Pays where sequences are long and Hv · V / BV chains leave SMs idle: a single sequence of 8192 tokens and more
     at up to 32 v-heads, or a few such sequences over few heads. training: the forward of a training step (its maps
     go to the backward), which splits up to TRAINING_SPLIT_GAIN.
+
+    The inference forward weighs the split against the whole walk at the sequences' own lengths (split_ratio's
+    unequal); the training forward against every sequence as long as the longest, the model its margin was
+    fitted on, which also stands in for its backward (whose walks over whole sequences are modelled so:
+    flash_qla.ops.backward.beside_widths): training over unequal lengths walked whole is not measured. At
+    16/48 28672+4096 the two part: the inference forward walks whole (the O path, 872.3 µs against 1087.9
+    split; benchmark/NOTES.md v53), a training step splits (3.99 ms against FLA's 11.58).
     """
-    return split_ratio(seqlens, Hv, V, profile) <= (TRAINING_SPLIT_GAIN if training else SPLIT_GAIN)
+    if training:
+        return split_ratio(seqlens, Hv, V, profile) <= TRAINING_SPLIT_GAIN
+    return split_ratio(seqlens, Hv, V, profile, unequal=True) <= SPLIT_GAIN
 
 
 def splits_backward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
@@ -207,25 +250,26 @@ def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
     return slots // profile.checkpoint_chunks + 1 + n_seqs
 
 
-def o_path_pays(n_seqs: int, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
-    """Whether an inference forward (o alone) over n_seqs sequences runs faster as fused_fwd_opath at 64 columns,
-    with kkt_solve forming no P, than as the walk at BV columns after a kkt_solve forming P.
+def o_path_pays(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
+    """Whether an inference forward (o alone) over sequences of these chunk counts runs faster as fused_fwd_opath at
+    64 columns, with kkt_solve forming no P, than as the walk at BV columns after a kkt_solve forming P.
 
-    Modelled per chunk of each sequence: the walks' waves times their chunk costs, less P's cost over the sequences'
-    chunks of every v-head (equal lengths assumed). A chunk of the O path costs 3 % more than fused_fwd_wide's at 64
-    columns and 9 % more than fused_fwd's at 32; its two waves where 128 columns run one, 36 % more: what P saves
-    kkt_solve pays for that at 64 columns, from ~19 sequence-heads at 32, from ~119 at 128 (~237 where 128 columns
-    run two waves), never at 16. H200, inference forward, the walk at the planner's width / the O path, µs
-    (benchmark/NOTES.md v48): 16/32 1x2048 (32) 68.7 / 64.9, 1x32768 (whole) 896.7 / 859.3, 16/16 2x4096 131.2 /
-    120.7; 4/16 8x4096 (128) 276.5 / 272.2, 16/32 8x4096 549.7 / 537.4, 16/48 8x4096 808.4 / 790.4, 16/64 8x4096
-    1063.8 / 1053.0, 16/16 8x4096 313.7 / 282.0; where the model keeps the walk: 2/8 1x2048 (16) 44.9 / 53.2, 16/48
-    2x2048 (128, 96 sequence-heads) 133.1 / 135.9. Short sequences are within ~2 µs either way, which the model does
-    not resolve (each block's fixed work, left out): 4/16 8x1024 79.5 / 79.5, 16/32 8x1024 158.2 / 155.9, 2/8 64x512
-    161.3 / 163.4 (the model's one miss, 1.3 %).
+    Modelled as the two walks' times (whole_walk_time), less P's cost over the sequences' chunks of every v-head. A
+    chunk of the O path costs 3 % more than fused_fwd_wide's at 64 columns and 9 % more than fused_fwd's at 32; its
+    two waves where 128 columns run one, 36 % more: what P saves kkt_solve pays for that at 64 columns, from ~19
+    sequence-heads at 32, from ~119 at 128 (~237 where 128 columns run two waves), never at 16. H200, inference
+    forward, the walk at the planner's width / the O path, µs (benchmark/NOTES.md v48): 16/32 1x2048 (32) 68.7 /
+    64.9, 1x32768 (whole) 896.7 / 859.3, 16/16 2x4096 131.2 / 120.7; 4/16 8x4096 (128) 276.5 / 272.2, 16/32 8x4096
+    549.7 / 537.4, 16/48 8x4096 808.4 / 790.4, 16/64 8x4096 1063.8 / 1053.0, 16/16 8x4096 313.7 / 282.0; where the
+    model keeps the walk: 2/8 1x2048 (16) 44.9 / 53.2, 16/48 2x2048 (128, 96 sequence-heads) 133.1 / 135.9. Short
+    sequences are within ~2 µs either way, which the model does not resolve (each block's fixed work, left out):
+    4/16 8x1024 79.5 / 79.5, 16/32 8x1024 158.2 / 155.9, 2/8 64x512 161.3 / 163.4 (the model's one miss, 1.3 %).
+    Unequal lengths (v53): 16/48 28672+4096, the walk at 64 columns / the O path 984.2 / 872.3, 4096+28672 1064.3 /
+    942.5.
     """
-    walk = chunk_step_time(n_seqs, Hv, V, BV, profile, FORWARD_CHUNK_US)
-    o_path = chunk_step_time(n_seqs, Hv, V, OPATH_BLOCK_V, profile, O_PATH_CHUNK_US)
-    return o_path - KKT_P_CHUNK_US * n_seqs * Hv <= walk
+    walk = whole_walk_time(chunks, Hv, V, BV, profile, FORWARD_CHUNK_US)
+    o_path = whole_walk_time(chunks, Hv, V, OPATH_BLOCK_V, profile, O_PATH_CHUNK_US)
+    return o_path - KKT_P_CHUNK_US * sum(chunks) * Hv <= walk
 
 
 def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, training: bool, output_h: bool):
@@ -233,8 +277,11 @@ def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, tra
     the walk over whole sequences, and whether that walk is fused_fwd_opath (at 64 columns, with
     kkt_solve forming no P: o alone, no training, no h, where o_path_pays)."""
     split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
-    BV = None if split else choose_block_v(len(seqlens), Hv, V, profile)
-    opath = not (split or training or output_h) and o_path_pays(len(seqlens), Hv, V, BV, profile)
+    if split:
+        return True, None, False
+    chunks = [-(-n // profile.chunk) for n in seqlens]
+    BV = whole_walk_width(chunks, Hv, V, profile)
+    opath = not (training or output_h) and o_path_pays(chunks, Hv, V, BV, profile)
     return split, OPATH_BLOCK_V if opath else BV, opath
 
 

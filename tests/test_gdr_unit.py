@@ -66,7 +66,7 @@ def forward_matches_reference(case):
 # fp16, h0, zero-length and partial chunks: flash_qla.ops.forward.o_path_pays)
 OPATH_CASES = [
     Case("opath_gva1_h0", (700, 0, 1, 2000), heads=(16, 16), h0=True),
-    Case("opath_strong_gate_edges", (0, 1, 63, 64, 65, 0, 130, 3000), heads=(2, 8), gate="strong"),
+    Case("opath_strong_gate_edges", (0, 1, 63, 64, 65, 0, 130, 1000, 1000, 1000, 1000), heads=(2, 8), gate="strong"),
     Case("opath_fp16_4096x8", (4096,) * 8, heads=(2, 8), dtype=torch.float16, h0=True),
 ]
 
@@ -80,11 +80,12 @@ def test_opath_forward_matches_reference(case, poisoned, monkeypatch):
     assert walks, "the forward did not take fused_fwd_opath"
 
 
-# inference forwards whose walk stays at 128 columns (96 sequence-heads: flash_qla.ops.forward.o_path_pays keeps
-# fused_fwd_wide; CASES' 128-column layouts take the O path now)
+# inference forwards whose walk stays at 128 columns (96 sequence-heads of equal chunk counts:
+# flash_qla.ops.forward.o_path_pays keeps fused_fwd_wide; CASES' 128-column layouts take the O path now, and unequal
+# chunk counts walk at 64 columns: whole_walk_time)
 WIDE_WALK_CASES = [
-    Case("wide128_h0", (333, 2048), heads=(16, 48), h0=True),
-    Case("wide128_fp16_edges_h0", (65, 700, 1), dtype=torch.float16, h0=True),
+    Case("wide128_h0", (2000, 2048), heads=(16, 48), h0=True),
+    Case("wide128_fp16_edges_h0", (65, 100, 127), dtype=torch.float16, h0=True),
 ]
 
 

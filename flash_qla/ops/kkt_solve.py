@@ -49,7 +49,14 @@ chunk_offsets: the same time, 0.31 ms at 16/32 8x4096, so the prologue's wait is
 search). The launcher sizes the grid with the
 upper bound T // C + N; slots past the last chunk exit at once. q and k arrive by
 cp.async (rows past the end zero-filled) while γ and β are loaded and γ summed (6 %
-faster than synchronous loads). Q Kᵀ and K Kᵀ run together on the tensor cores
+faster than synchronous loads). g and β are loaded together, each thread from a valid row (the
+chunk's last past its end) and masked as stored: guarded loads issued β's only once g's had
+arrived. The bound (log_norms) keeps K Kᵀ's diagonal from the element pass below and takes its
+64 logarithms in one warp at the end: a guarded logarithm per element held cost 8 % of the
+kernel's instructions (ncu, benchmark/NOTES.md v54). Both changes, outputs bitwise equal, on the
+H200: forward mode with P 265.6 -> 244.4 µs at 16/32 1x32768, 70.4 -> 64.1 at 2/8 8x4096;
+backward mode with the bounds 170.1 -> 135.8 and 43.5 -> 36.7; the inference forward at 16/32
+1x32768 731.6 -> 709.1 µs. Q Kᵀ and K Kᵀ run together on the tensor cores
 (wgmma, fp32 accumulate); one element-wise pass then scales both accumulators in registers,
 with one exponential Γ_ij for both, and a second (after the masks) stores P and M to shared
 memory (one pass doing both waited for each element's γ loads behind the previous element's
@@ -126,7 +133,9 @@ def kkt_solve_kernel(
     90 a thread): low-level backward 16/32 8x4096 2.00 -> 2.05 ms, 2/8 8x4096 0.538 -> 0.551 on the
     H200 where every call formed them, so only a split backward does: 4/16 1x32768 1.671 -> 1.551 ms,
     2/8 1x32768 0.900 -> 0.912 (its map and end walks run beside the recompute in SMs it leaves idle,
-    so shortening them saves less than the bounds cost; benchmark/NOTES.md v46).
+    so shortening them saves less than the bounds cost; benchmark/NOTES.md v46). Since the bound's logarithms left
+    the element pass (v54) the backward mode takes 117.2 µs without the bounds and 135.8 with them at 16/32 1x32768
+    (170.1 before).
     """
     assert beta_dtype in (dtype, "float32")
     assert BOUNDS or BACKWARD, "the forward mode forms the bounds with P"
@@ -238,7 +247,7 @@ def kkt_solve_kernel(
             gam_s = T.alloc_shared([C], accum)
             beta_s = T.alloc_shared([C], accum)
             if FORM_P and BOUNDS:
-                grow_s = T.alloc_shared([C], accum)  # each token's term of the bound (log_norms)
+                diag_s = T.alloc_shared([C], accum)  # K Kᵀ's diagonal after β: β_i ‖k_i‖² (log_norms)
             # M (strictly lower), overwritten block by block with X = (I + M)⁻¹: each M block is
             # read (diagonal blocks into registers, M₂₁ into T₁) before X takes its place
             x_s = T.alloc_shared([C, C + PAD], accum)
@@ -254,6 +263,9 @@ def kkt_solve_kernel(
             c = T.alloc_local([8], accum)  # two 16 x 8 tiles' accumulators
             bcol = T.alloc_local([4], accum)  # β of this thread's four columns of A
             t0 = T.alloc_var("int32")
+            g_row = T.alloc_var("int32")  # this thread's token of g and β (the prologue)
+            g_val = T.alloc_var(accum)
+            beta_val = T.alloc_var(accum)
             valid = T.alloc_var("int32")
             growth = T.alloc_var(accum)
 
@@ -264,10 +276,16 @@ def kkt_solve_kernel(
                 if FORM_P:
                     T.async_copy(q[t0:t0 + C, ihk, :], q_s)
                 T.async_copy(k[t0:t0 + C, ihk, :], k_s)
-                for i in T.Parallel(C):
-                    gam_s[i] = T.if_then_else(i < valid, g[t0 + i, ih], 0.0)
+                # both loads before either store, from a valid row (the chunk's last past its end): one
+                # memory latency for the two, where guarded copies waited for g's before issuing β's
+                if tx < C:
+                    g_row = t0 + T.min(tx, valid - 1)
+                    g_val = g[g_row, ih]
                     if KKT:
-                        beta_s[i] = T.if_then_else(i < valid, T.cast(beta[t0 + i, ih], accum), 0.0)
+                        beta_val = T.cast(beta[g_row, ih], accum)
+                    gam_s[tx] = T.if_then_else(tx < valid, g_val, 0.0)
+                    if KKT:
+                        beta_s[tx] = T.if_then_else(tx < valid, beta_val, 0.0)
                 if not BACKWARD:
                     T.cumsum(gam_s, dim=0)
                 for i in T.Parallel(C):
@@ -306,10 +324,11 @@ def kkt_solve_kernel(
                         QK[i, j] = T.if_then_else(j <= i, QK[i, j], 0.0)
                     # the bound on the chunk's transition norm (flash_qla.ops.context_parallel): token
                     # i's factor grows the state by at most max(1, |1 − β_i ‖k_i‖²|), β_i ‖k_i‖² on the
-                    # diagonal here (Γ_ii = 1). Stored with P only (the O-path walk's kkt_solve serves no
-                    # split)
+                    # diagonal here (Γ_ii = 1), kept for one warp's logarithms at the end (in this pass, a
+                    # guarded logarithm per element held cost 8 % of the kernel's instructions). Formed with
+                    # P only (the O-path walk's kkt_solve serves no split)
                     if FORM_P and BOUNDS and i == j:
-                        grow_s[i] = T.if_then_else(i < valid, T.max(T.log(T.abs(1.0 - KK[i, j])), 0.0), 0.0)
+                        diag_s[i] = KK[i, j]
                     if not BACKWARD:
                         KK[i, j] = T.if_then_else(j < i and i < valid, KK[i, j], 0.0)
                 for i, j in T.Parallel(C, C):
@@ -348,8 +367,12 @@ def kkt_solve_kernel(
                         if row < valid:
                             for c in T.vectorized(4):
                                 A[t0 + row, ih, tx % 16 * 4 + c] = x_s[row, tx % 16 * 4 + c] * bcol[c]
-                if FORM_P and BOUNDS and tx < 32:  # L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|)
-                    growth = T.warp_reduce_sum(grow_s[tx] + grow_s[tx + 32])
+                if FORM_P and BOUNDS and tx < 32:  # L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|), two tokens a lane
+                    for r in T.unroll(2):
+                        pair[r] = T.if_then_else(
+                            tx + 32 * r < valid, T.max(T.log(T.abs(1.0 - diag_s[tx + 32 * r])), 0.0), 0.0
+                        )
+                    growth = T.warp_reduce_sum(pair[0] + pair[1])
                     if tx == 0:
                         log_norms[ih, slot] = growth + gam_s[valid - 1]
 

@@ -105,6 +105,17 @@ PAD = 8  # floats of padding per row of the fp32 shared matrices (banks: the mod
 # rows that a warp's accumulator stores touch at once start in 8 different banks (unpadded,
 # all 8 start in bank 0: 8-way conflicts; 5 % of kkt_solve's time on the H200)
 P_PAD = 8
+# 2^x as the one MUFU.EX2 it is, flushing results below 2^-126 to 0, for the decay pass's Γ_ij: exp2f wraps it in a
+# fix-up for such results (a compare and two predicated multiplies, 3 of the pass's ~7 instructions an element). H200
+# (benchmark/NOTES.md v54 step 6): forward mode without P -2.6 to -3.4 %, with P -0.8 to -1.5 %; A and P differ from
+# exp2f's only where Γ_ij < 2^-126 (at most 3.8e-38 apart)
+EX2_FTZ = """
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
 
 
 @kernel_factory
@@ -234,7 +245,7 @@ def kkt_solve_kernel(
     @T.macro
     def kkt_solve_body(q, k, g, beta, chunk_table, g_cum, gamma, gates, A, P, log_norms, slots):
         """The kernel; q and P are None when FORM_P is off."""
-        with T.Kernel(Hv, slots, threads=THREADS) as (ih, slot):
+        with T.Kernel(Hv, slots, threads=THREADS, prelude=EX2_FTZ) as (ih, slot):
             follow_previous_kernel()
             ihk = ih // GROUPS
             tx = T.get_thread_binding()
@@ -313,7 +324,7 @@ def kkt_solve_kernel(
                 if KKT:
                     T.warpgroup_fence_operand(KK, num_regs=C * C // THREADS)
                 for i, j in T.Parallel(C, C):
-                    decay = T.exp2((gam_s[i] - gam_s[j]) * LOG2E)
+                    decay = T.call_extern(accum, "ex2_ftz", (gam_s[i] - gam_s[j]) * LOG2E)
                     if FORM_P:
                         QK[i, j] = QK[i, j] * decay
                     if KKT:

@@ -40,7 +40,11 @@ Outputs:
 
 Schedule: grid (Hv, chunk slots), one warpgroup per block, `profile.kkt_blocks_per_sm`
 blocks resident per SM (a register cap for ptxas: blocks overlap each other's loads and
-solves, so occupancy pays). The v-heads of a chunk are neighbours in the launch order, so the
+solves, so occupancy pays). Persistent blocks instead, each taking every blocks-th item with the
+next item's chunk row, g and β loaded under this one's solve, ran slower (forward mode with P at
+16/32 1x32768 243.5 -> 286.1 µs at 5 blocks an SM, where the loop's registers spill, 260.5 at 4;
+outputs bitwise equal): the other resident blocks already cover the prologue's latency
+(benchmark/NOTES.md v55). The v-heads of a chunk are neighbours in the launch order, so the
 v-heads of one qk-head read its q and k tiles from L2 rather than each from DRAM (with
 the slots first, at 16/32 8x4096: forward mode 0.307 -> 0.294 ms, backward mode 0.144 ->
 0.117, outputs bitwise equal; benchmark/NOTES.md v11). Slot j reads its chunk's first

@@ -56,8 +56,9 @@ WIDE_BLOCK_V = (128, 64)
 # K = V = 128 (benchmark/NOTES.md v48: the walks over 1x2048, 1x8192 and 8x4096 at 2/8, 4/16, 16/32; P's cost
 # 6.0-7.1e-3 µs over eight layouts, the O path's gain with the walks' difference added back). They pick the forward
 # walk's width (whole_walk_width) and the backward walk's over pieces (choose_block_v), decide the O path
-# (o_path_pays) and model the split (split_ratio). A narrow tile reads q, k, A and P and runs K S for fewer columns, but not proportionally less
-# time; at 128 columns the transposed walk runs two chains that slow each other down, 1.5x one at 64.
+# (o_path_pays) and model the split (split_ratio). A narrow tile reads q, k, A and P and runs K S for fewer columns,
+# but not proportionally less time; at 128 columns the transposed walk runs two chains that slow each other down, 1.5x
+# one at 64.
 FORWARD_CHUNK_US = {128: 2.13, 64: 1.41, 32: 1.33, 16: 1.06}
 O_PATH_CHUNK_US = {OPATH_BLOCK_V: 1.45}
 KKT_P_CHUNK_US = 0.0065

@@ -51,7 +51,8 @@ KERNELS = [
     ("fused_bwd_bv16_dht", fused_bwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, True, False), ("wgmma", "tma_load")),
     # V-tiles of 64 and 128: the state transposed, every chain operand read by wgmma from registers
     ("fused_fwd_wide_bv64_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load", "stmatrix.sync.aligned.x4.trans")),
-    ("fused_bwd_wide_bv64_dht", fused_bwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, True, False), ("wgmma_rs", "tma_load")),
+    # at 64 columns dv and dS' are staged by stmatrix.x4.trans (staging.row_store, state_store)
+    ("fused_bwd_wide_bv64_dht", fused_bwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, True, False), ("wgmma_rs", "tma_load", "stmatrix.sync.aligned.x4.trans")),
     ("fused_fwd_wide_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_fp16", fused_fwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_states_only", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True, True), ("wgmma_rs", "tma_load")),

@@ -38,8 +38,15 @@ equal (benchmark/NOTES.md v17). dv is stored (transposed through shared memory f
 stores, each warpgroup its own 64 columns between barriers of its own 128 threads). dS'ᵀ is staged
 the same way at the chunk's start and goes to dh by TMA (staging.state_store; from the registers,
 element by element, a warp's 2-byte stores touched 8 rows of dh 256 bytes apart: 16/32 8x4096
-0.609 -> 0.541 ms, 16/64 1.185 -> 1.003, outputs bitwise equal; benchmark/NOTES.md v14). dO is read transposed from its ring tile,
-which is swizzled so that a warp's reads hit distinct banks.
+0.609 -> 0.541 ms, 16/64 1.185 -> 1.003, outputs bitwise equal; benchmark/NOTES.md v14). dv is
+rounded to the input dtype in registers before its staging (it was rounded by the staging stores),
+so that at 64 columns both stagings are stmatrix.x4.trans, 12 instructions a thread where 2-byte
+stores took 96: at one block an SM the walk's consumer issues its own chain (ncu at 16/32 1x2048:
+~1000 instructions a warp and chunk, a third of its cycles issuing; waits on the products' results
+13 %, on the loads 7 %), so fewer instructions are a shorter chunk. Training step 16/32 1x2048
+218.9 -> 212.2 µs, 32/32 1x2048 225.0 -> 221.0, low-level backward 16/32 1x32768 2232 -> 2163;
+16/32 4096x8 (DRAM-bound) unchanged; gradients bitwise equal (benchmark/NOTES.md v56). dO is read
+transposed from its ring tile, which is swizzled so that a warp's reads hit distinct banks.
 """
 
 import tilelang
@@ -149,6 +156,8 @@ def fused_bwd_wide_kernel(
             DVNt = T.alloc_fragment([BV, C], accum)  # dv_newᵀ
             DVNb = T.alloc_fragment([BV, C], dtype)  # dv_newᵀ: A operand
             DVt = T.alloc_fragment([BV, C], accum)  # dvᵀ
+            if not ENDS_ONLY:
+                DVb = T.alloc_fragment([BV, C], dtype)  # dvᵀ rounded, staged (by stmatrix at BV = 64)
             DUe = T.alloc_fragment([BV, C], dtype)  # −dvᵀ diag(e^γ): A operand
             # per-column gate factors, laid out like the accumulators' columns
             eg = T.alloc_fragment([C], accum)  # e^γ, 0 past the end
@@ -200,11 +209,13 @@ def fused_bwd_wide_kernel(
                 for j, i in T.Parallel(BV, C):
                     DUe[j, i] = -DVt[j, i] * eg[i]
                     DOe[j, i] = do_s[i, j] * (scale * eg[i])
+                if not ENDS_ONLY:
+                    T.copy(DVt, DVb)
                 with T.ws_op("k_s_q_s"):  # one op: the ring frees k_s and q_s only after the wait
                     T.wgmma_gemm(DOe, q_s, dSt, policy=ROWS)
                     T.wgmma_gemm(DUe, k_s, dSt, policy=ROWS)
                     if not ENDS_ONLY:
-                        store_rows(DVt, dv_s, dv, t0, valid, ih, v0, tx)
+                        store_rows(DVb, dv_s, dv, t0, valid, ih, v0, tx)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(dSt, num_regs=STATE_REGS)
 

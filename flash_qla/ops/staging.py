@@ -14,15 +14,19 @@ never wait for each other.
   2-byte stores took 32 and 16 byte permutes (ncu put a third of the wide walks' consumer stall
   samples in these stagings): forward 2/8 8x4096 0.1597 -> 0.1568 ms, outputs bitwise equal. At
   two warpgroups (BV = 128) the same made the forward slower (16/32 8x4096 0.530 -> 0.555 ms;
-  why was not found), so there, and for fp32 tiles (dv), the 2-byte stores stay
-  (benchmark/NOTES.md v31 step 6).
+  why was not found), so there, and for fp32 tiles, the 2-byte stores stay
+  (benchmark/NOTES.md v31 step 6). The backward's dv is rounded to a 16-bit tile before its
+  staging, so it takes stmatrix at BV = 64 too (benchmark/NOTES.md v56).
 - `state_store` writes a state Sᵀ (the recompute's S, the training forward's kept S, the
   backward walk's dS') to h[c, ih, :, v0 : v0 + BV] by TMA: each warpgroup stages its [K, 64]
   block in a swizzled tile (`alloc_state_stage`) and one of its threads issues the bulk store,
   which runs while the chain goes on; the next staging first waits until that store has read
   the tile (`state_stores_done` at the walk's end). Against 16-byte stores by every thread from a
   padded tile: training step 2/8 8x4096 0.720 -> 0.703 ms (keep_states 0.650 -> 0.642), 16/32,
-  4/16 and 1x32768 within 0.5 %, gradients bitwise equal (benchmark/NOTES.md v23).
+  4/16 and 1x32768 within 0.5 %, gradients bitwise equal (benchmark/NOTES.md v23). A 16-bit state
+  at one warpgroup (BV = 64: the recompute's and keep_states' h, the backward walk's dh) is staged by
+  stmatrix.x4.trans, 8 instructions a thread where 2-byte stores took 64 (the swizzle keeps each
+  16-byte row piece whole; benchmark/NOTES.md v56).
 """
 
 import tilelang.language as T
@@ -195,7 +199,8 @@ def alloc_state_stage(BV: int, K: int, dtype: str):
 def state_store(BV: int, K: int):
     """The macro state_store(St, x_s, h, c, ih, v0, tx): h[c, ih, :, v0 : v0 + BV] = Stᵀ, by TMA.
 
-    St [BV, K] fragment, x_s from alloc_state_stage, tx the consumer thread index. Asynchronous:
+    St [BV, K] fragment (16-bit at BV = 64: stage_transposed's layout, staged by stmatrix), x_s from
+    alloc_state_stage, tx the consumer thread index. Asynchronous:
     call state_stores_done() before the kernel ends. Stored from the registers element by
     element instead, a warp's 2-byte stores touch 8 rows of h 256 bytes apart: the state
     recompute at 16/32 8x4096 took 0.351 ms against 0.289 staged, the backward walk 0.609
@@ -208,8 +213,19 @@ def state_store(BV: int, K: int):
         wg = tx // 128
         T.tma_store_wait(0)  # in the thread that issued the last store: it has read x_s
         T.sync_threads(STAGE_BARRIER + wg, 128)
-        for j, d in T.Parallel(BV, K):
-            x_s[j // W, d, j % W] = St[j, d]
+        if BV == W and St.dtype in ("bfloat16", "float16"):  # stmatrix.x4.trans, as stage_transposed
+            warp = tx // 32
+            lane = tx % 32
+            T.import_source(STSM_X4_TRANS)
+            for n in T.unroll(K // 16):
+                row = 8 * (2 * n + lane // 16) + lane % 8
+                col = 16 * warp + 8 * (lane // 8 % 2)
+                T.call_extern(
+                    "handle", "flash_qla_stsm_x4_trans", T.access_ptr(x_s[0, row, col], "w", 8), St.data, 4 * n
+                )
+        else:
+            for j, d in T.Parallel(BV, K):
+                x_s[j // W, d, j % W] = St[j, d]
         T.fence_proxy_async()  # the staged tile, visible to the TMA unit
         T.sync_threads(STAGE_BARRIER + wg, 128)
         T.tma_copy(x_s[wg, :, :], h[c, ih, :, v0 + wg * W:v0 + wg * W + W], leader_scope_threads=128)

@@ -103,30 +103,49 @@ def stage_rows(R: int):
     return stage
 
 
-def load_transposed(R: int):
-    """The macro load_transposed(Xt, x_s, b, tx): Xt = x_s[b, :R, :64]ᵀ, by ldmatrix.x4.trans, R / 16 instructions a
-    thread.
+def x4_transposed(R: int, function: str, access: str, source: str):
+    """The macro x4_transposed(Xt, x_s, b, tx): one warpgroup's [64, R] 16-bit fragment Xt moved to or from
+    x_s[b, :R, :64] (x_s[:R, :64] when b is None), transposed, by `function` (stmatrix.x4.trans or
+    ldmatrix.x4.trans, from the import `source`), R / 16 instructions a thread; access "w" or "r".
 
-    Xt [64, R] 16-bit fragment in a wgmma A operand's layout (fused_fwd_opath's Vᵀ), x_s [buffers, R, >= 64]
-    shared (v's ring), b a buffer index, tx the thread's index in its warpgroup. The addressing is
-    stage_transposed's stmatrix.x4.trans read backwards: word 4n + q of lane l gets 8 x 8 matrix q of instruction
-    n (tokens 8 (2 n + q / 2).., columns 16 w + 8 (q % 2)..), whose row l % 8 lane l addresses when l / 8 = q.
-    Four instructions a thread at R = 64, where 2-byte loads took 32 (benchmark/NOTES.md v38 step 1). No
-    barrier: the caller orders the tile's reads and writes.
+    Xt is in a wgmma accumulator's (and A operand's) layout, tx the thread's index in its warpgroup: in lane l of
+    warp w, element 4k + 2h + e of the local array is Xt[16 w + 8 h + l / 4, 8 k + 2 (l % 4) + e], so 32-bit word
+    4n + q is 8 x 8 matrix q of instruction n (rows of x_s 8 k.., k = 2 n + q / 2; columns 16 w + 8 h.., h = q %
+    2), whose row l % 8 lane l addresses when l / 8 = q. Each address is a whole 16-byte row piece, which a
+    swizzled x_s keeps whole. No barrier: the caller orders the tile's reads and writes.
     """
-    assert R % 16 == 0, "each ldmatrix.x4 loads 16 rows"
+    assert R % 16 == 0, "each x4 instruction moves 16 rows (two 8 x 8 matrices of tokens a column pair)"
 
     @T.macro
-    def load(Xt, x_s, b, tx):
+    def move(Xt, x_s, b, tx):
         warp = tx // 32
         lane = tx % 32
-        T.import_source(ROW_COPIES)
+        T.import_source(source)
         for n in T.unroll(R // 16):
             row = 8 * (2 * n + lane // 16) + lane % 8
             col = 16 * warp + 8 * (lane // 8 % 2)
-            T.call_extern("handle", "flash_qla_ldsm_x4_trans", T.access_ptr(x_s[b, row, col], "r", 8), Xt.data, 4 * n)
+            if b is None:
+                T.call_extern("handle", function, T.access_ptr(x_s[row, col], access, 8), Xt.data, 4 * n)
+            else:
+                T.call_extern("handle", function, T.access_ptr(x_s[b, row, col], access, 8), Xt.data, 4 * n)
 
-    return load
+    return move
+
+
+def load_transposed(R: int):
+    """The macro load_transposed(Xt, x_s, b, tx): Xt = x_s[b, :R, :64]ᵀ, by ldmatrix.x4.trans (x4_transposed).
+
+    Xt [64, R] 16-bit fragment in a wgmma A operand's layout (fused_fwd_opath's Vᵀ), x_s [buffers, R, >= 64]
+    shared (v's ring), b a buffer index. Four instructions a thread at R = 64, where 2-byte loads took 32
+    (benchmark/NOTES.md v38 step 1).
+    """
+    return x4_transposed(R, "flash_qla_ldsm_x4_trans", "r", ROW_COPIES)
+
+
+def stmatrix_transposed(R: int):
+    """The macro stmatrix_transposed(Xt, x_s, b, tx): x_s[b, :R, :64] = Xtᵀ (x_s[:R, :64] when b is None), by
+    stmatrix.x4.trans (x4_transposed)."""
+    return x4_transposed(R, "flash_qla_stsm_x4_trans", "w", STSM_X4_TRANS)
 
 
 def stage_transposed(BV: int, R: int):
@@ -134,29 +153,18 @@ def stage_transposed(BV: int, R: int):
 
     Xt [BV, R] fragment in a wgmma accumulator's layout, x_s [R, BV + STAGE_PAD] shared; between
     named barriers of the warpgroup's own 128 threads (the first: its reads of the last staged tile
-    are done). At BV = 64 a 16-bit Xt is stored by stmatrix.x4.trans, four instructions a thread for
-    R = 64: in lane l of warp w, element 4k + 2h + e of the local array is Xt[16 w + 8 h + l / 4,
-    8 k + 2 (l % 4) + e], so 32-bit word 4n + q is 8 x 8 matrix q of instruction n (tokens 8 k..,
-    k = 2 n + q / 2; columns 16 w + 8 h.., h = q % 2), whose row l % 8 lane l addresses when
-    l / 8 = q. Otherwise (two warpgroups, or an fp32 Xt: the backward's dv) Xt is rounded and
+    are done). At BV = 64 a 16-bit Xt is stored by stmatrix.x4.trans (stmatrix_transposed), four
+    instructions a thread for R = 64. Otherwise (two warpgroups, or an fp32 Xt) Xt is rounded and
     stored element by element (2-byte stores); the module docstring says why.
     """
-    assert R % 16 == 0, "each stmatrix.x4 stages 16 rows (two 8 x 8 matrices of tokens a column pair)"
+    stmatrix = stmatrix_transposed(R)
 
     @T.macro
     def stage(Xt, x_s, tx):
         wg = tx // 128
         T.sync_threads(STAGE_BARRIER + wg, 128)
         if BV == ROWS_PER_WARPGROUP and Xt.dtype in ("bfloat16", "float16"):
-            warp = tx // 32
-            lane = tx % 32
-            T.import_source(STSM_X4_TRANS)
-            for n in T.unroll(R // 16):
-                row = 8 * (2 * n + lane // 16) + lane % 8
-                col = 16 * warp + 8 * (lane // 8 % 2)
-                T.call_extern(
-                    "handle", "flash_qla_stsm_x4_trans", T.access_ptr(x_s[row, col], "w", 8), Xt.data, 4 * n
-                )
+            stmatrix(Xt, x_s, None, tx)
         else:
             for j, i in T.Parallel(BV, R):
                 x_s[i, j] = Xt[j, i]
@@ -199,7 +207,7 @@ def alloc_state_stage(BV: int, K: int, dtype: str):
 def state_store(BV: int, K: int):
     """The macro state_store(St, x_s, h, c, ih, v0, tx): h[c, ih, :, v0 : v0 + BV] = Stᵀ, by TMA.
 
-    St [BV, K] fragment (16-bit at BV = 64: stage_transposed's layout, staged by stmatrix), x_s from
+    St [BV, K] fragment (16-bit at BV = 64: staged by stmatrix_transposed), x_s from
     alloc_state_stage, tx the consumer thread index. Asynchronous:
     call state_stores_done() before the kernel ends. Stored from the registers element by
     element instead, a warp's 2-byte stores touch 8 rows of h 256 bytes apart: the state
@@ -207,22 +215,15 @@ def state_store(BV: int, K: int):
     against 0.541 (benchmark/NOTES.md v13, v14).
     """
     W = ROWS_PER_WARPGROUP
+    stmatrix = stmatrix_transposed(K)
 
     @T.macro
     def store(St, x_s, h, c, ih, v0, tx):
         wg = tx // 128
         T.tma_store_wait(0)  # in the thread that issued the last store: it has read x_s
         T.sync_threads(STAGE_BARRIER + wg, 128)
-        if BV == W and St.dtype in ("bfloat16", "float16"):  # stmatrix.x4.trans, as stage_transposed
-            warp = tx // 32
-            lane = tx % 32
-            T.import_source(STSM_X4_TRANS)
-            for n in T.unroll(K // 16):
-                row = 8 * (2 * n + lane // 16) + lane % 8
-                col = 16 * warp + 8 * (lane // 8 % 2)
-                T.call_extern(
-                    "handle", "flash_qla_stsm_x4_trans", T.access_ptr(x_s[0, row, col], "w", 8), St.data, 4 * n
-                )
+        if BV == W and St.dtype in ("bfloat16", "float16"):
+            stmatrix(St, x_s, 0, tx)
         else:
             for j, d in T.Parallel(BV, K):
                 x_s[j // W, d, j % W] = St[j, d]

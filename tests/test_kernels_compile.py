@@ -4,8 +4,9 @@ Checks the generated CUDA source for the instructions the schedule is built on: 
 the tensor-core products (SM90; with register A operands in the wide walks), TMA loads for
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
 γ is summed) and for chunk_grads' tiles (they arrive under the first products), mma.sync in
-tf32 for kkt_solve's inverse's merges, stmatrix.trans for the 64-column forward walk's o staging
-(stmatrix and a TMA store in the O-path walk's, with its warpgroups' registers set by setmaxnreg),
+tf32 for kkt_solve's inverse's merges, stmatrix.trans for every 16-bit tile the 64-column wide walks
+stage (o, h, and the backward's dv and dS', counted per kernel), stmatrix and a TMA store in the
+O-path walk's o staging (with its warpgroups' registers set by setmaxnreg),
 and chunk_grads' batched reductions; that each block's
 shared memory fits the SM; that no kernel touches global memory before its programmatic-launch
 wait; and that the kernels with large register tiles keep nothing in local
@@ -51,8 +52,7 @@ KERNELS = [
     ("fused_bwd_bv16_dht", fused_bwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, True, False), ("wgmma", "tma_load")),
     # V-tiles of 64 and 128: the state transposed, every chain operand read by wgmma from registers
     ("fused_fwd_wide_bv64_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load", "stmatrix.sync.aligned.x4.trans")),
-    # at 64 columns dv and dS' are staged by stmatrix.x4.trans (staging.row_store, state_store)
-    ("fused_bwd_wide_bv64_dht", fused_bwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, True, False), ("wgmma_rs", "tma_load", "stmatrix.sync.aligned.x4.trans")),
+    ("fused_bwd_wide_bv64_dht", fused_bwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, True, False), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_fp16", fused_fwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_states_only", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True, True), ("wgmma_rs", "tma_load")),
@@ -189,6 +189,30 @@ def test_wide_walks_store_states_by_tma(factory, args, state):
     assert not re.search(rf"\b{state}\s*\[", source)  # no element or vector store besides
     loop_end = source.rindex("tma_store(")
     assert "tma_store_wait" in source[loop_end:]
+
+
+STSM_TRANS_CALL = "flash_qla_stsm_x4_trans(("  # a call site; the function's definition reads "(void*"
+
+
+@pytest.mark.parametrize(
+    "factory,args,calls",
+    [
+        (fused_bwd_wide_kernel, (64, "bfloat16", SM90, True, False), 2),  # dv and dS'
+        (fused_bwd_wide_kernel, (64, "float16", SM90, False, True), 2),
+        (fused_fwd_wide_kernel, (64, "bfloat16", SM90, False, True, True), 1),  # the recompute's h
+        # o (in the walk, and the last chunk's after it) and the kept h
+        (fused_fwd_wide_kernel, (64, "bfloat16", SM90, True, True, False, False, False, True), 3),
+        (fused_bwd_wide_kernel, (64, "bfloat16", SM90, False, True, True), 0),  # ENDS_ONLY: nothing staged
+        (fused_bwd_wide_kernel, (128, "bfloat16", SM90, True, False), 0),  # two warpgroups: 2-byte stores
+    ],
+)
+def test_wide_walks_stage_16_bit_tiles_by_stmatrix(factory, args, calls):
+    """At one warpgroup (64 columns) every 16-bit tile the wide walks stage for a store goes through
+    stmatrix.x4.trans (staging.stage_transposed, state_store): the backward walk's dv (rounded first)
+    and dS', the forward's o and its kept or recomputed h; none at two warpgroups. Counted as call sites
+    in the generated source (each a loop of R / 16 instructions)."""
+    source = factory(2, 8, 128, 128, *args).get_kernel_source()
+    assert source.count(STSM_TRANS_CALL) == calls
 
 
 @pytest.mark.parametrize("states_only", [False, True])

@@ -46,7 +46,10 @@ stores took 96: at one block an SM the walk's consumer issues its own chain (ncu
 13 %, on the loads 7 %), so fewer instructions are a shorter chunk. Training step 16/32 1x2048
 218.9 -> 212.2 µs, 32/32 1x2048 225.0 -> 221.0, low-level backward 16/32 1x32768 2232 -> 2163;
 16/32 4096x8 (DRAM-bound) unchanged; gradients bitwise equal (benchmark/NOTES.md v56). dO is read
-transposed from its ring tile, which is swizzled so that a warp's reads hit distinct banks.
+transposed from its ring tile, which is swizzled so that a warp's reads hit distinct banks; at 64
+columns by ldmatrix.x4.trans (staging.load_transposed: four instructions a thread for each of its two
+reads, where 2-byte loads took 32): training step 16/32 1x2048 212.4 -> 210.2 µs, 32/32 1x2048 221.2 ->
+219.0, gradients bitwise equal (benchmark/NOTES.md v56 step 8, v57).
 """
 
 import tilelang
@@ -60,6 +63,7 @@ from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
     STAGE_PAD,
     alloc_state_stage,
+    load_transposed,
     row_store,
     state_store,
     state_stores_done,
@@ -103,6 +107,7 @@ def fused_bwd_wide_kernel(
 
     store_rows = row_store(BV, C)  # x[t0 : t0 + valid] = Xtᵀ, each warpgroup its own 64 columns
     store_dh = state_store(BV, K)  # dh[c] = dS'ᵀ, each warpgroup its own 64 columns
+    load_dot = load_transposed(C, walk=True)  # dOᵀ from its ring tile, at one warpgroup
 
     @T.prim_func
     def fused_bwd_wide(
@@ -187,8 +192,13 @@ def fused_bwd_wide_kernel(
                 for i in T.Parallel(C):
                     eg[i] = gates_s[0, i]
                     ed[i] = gates_s[1, i]
-                for j, i in T.Parallel(BV, C):
-                    DOm[j, i] = T.if_then_else(i < valid, do_s[i, j] * scale, 0.0)
+                if BV == ROWS_PER_WARPGROUP:  # dOᵀ by ldmatrix.x4.trans
+                    load_dot(DOm, do_s, None, tx)
+                    for j, i in T.Parallel(BV, C):
+                        DOm[j, i] = T.if_then_else(i < valid, DOm[j, i] * scale, 0.0)
+                else:
+                    for j, i in T.Parallel(BV, C):
+                        DOm[j, i] = T.if_then_else(i < valid, do_s[i, j] * scale, 0.0)
 
                 # (K dS')ᵀ and (Pᵀ dO)ᵀ (the dv chain) in flight together
                 with T.ws_op("k_s_p_s"):  # one op: the ring frees p_s only after the wait
@@ -206,9 +216,15 @@ def fused_bwd_wide_kernel(
                 decay = gates_s[0, valid - 1]
                 for j, d in T.Parallel(BV, K):
                     dSt[j, d] = dSt[j, d] * decay
-                for j, i in T.Parallel(BV, C):
-                    DUe[j, i] = -DVt[j, i] * eg[i]
-                    DOe[j, i] = do_s[i, j] * (scale * eg[i])
+                if BV == ROWS_PER_WARPGROUP:
+                    load_dot(DOe, do_s, None, tx)
+                    for j, i in T.Parallel(BV, C):
+                        DUe[j, i] = -DVt[j, i] * eg[i]
+                        DOe[j, i] = DOe[j, i] * (scale * eg[i])
+                else:
+                    for j, i in T.Parallel(BV, C):
+                        DUe[j, i] = -DVt[j, i] * eg[i]
+                        DOe[j, i] = do_s[i, j] * (scale * eg[i])
                 if not ENDS_ONLY:
                     T.copy(DVt, DVb)
                 with T.ws_op("k_s_q_s"):  # one op: the ring frees k_s and q_s only after the wait

@@ -41,17 +41,24 @@ STAGE_PAD = 8
 STAGE_BARRIER = 4
 
 
-# stmatrix.x4.trans of the four 32-bit words regs[first : first + 4] (pairs of 16-bit values) of a thread's local
-# array: TileLang's fragment copies emit stmatrix only into a tile of the fragment's own orientation, and a fragment
-# element read outside T.Parallel counts as replicated, so the transposed store goes through this function, which
-# takes the fragment's local array itself (guarded: a kernel may stage more than once)
-STSM_X4_TRANS = """
-#ifndef FLASH_QLA_STSM_X4_TRANS
-#define FLASH_QLA_STSM_X4_TRANS
+# The transposed walks' two: stmatrix.x4.trans of the four 32-bit words regs[first : first + 4] (pairs of 16-bit
+# values) of a thread's local array, and ldmatrix.x4.trans into them (the same as fused_fwd_opath's, under another
+# name). TileLang's fragment copies emit stmatrix only into a tile of the fragment's own orientation, and a fragment
+# element read outside T.Parallel counts as replicated, so the transposed moves go through these functions, which
+# take the fragment's local array itself (guarded: a kernel may stage more than once). One source for both, as
+# TileLang takes one import a kernel
+TRANSPOSED_COPIES = """
+#ifndef FLASH_QLA_TRANSPOSED_COPIES
+#define FLASH_QLA_TRANSPOSED_COPIES
 __device__ __forceinline__ void flash_qla_stsm_x4_trans(void* smem, const void* regs, int first) {
   const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
   asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
                :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
+__device__ __forceinline__ void flash_qla_ldsm_x4_trans_walk(const void* smem, void* regs, int first) {
+  unsigned* r = reinterpret_cast<unsigned*>(regs) + first;
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(smem)));
 }
 #endif
 """
@@ -132,20 +139,25 @@ def x4_transposed(R: int, function: str, access: str, source: str):
     return move
 
 
-def load_transposed(R: int):
-    """The macro load_transposed(Xt, x_s, b, tx): Xt = x_s[b, :R, :64]ᵀ, by ldmatrix.x4.trans (x4_transposed).
+def load_transposed(R: int, walk: bool = False):
+    """The macro load_transposed(Xt, x_s, b, tx): Xt = x_s[b, :R, :64]ᵀ (x_s[:R, :64] when b is None), by
+    ldmatrix.x4.trans (x4_transposed).
 
-    Xt [64, R] 16-bit fragment in a wgmma A operand's layout (fused_fwd_opath's Vᵀ), x_s [buffers, R, >= 64]
-    shared (v's ring), b a buffer index. Four instructions a thread at R = 64, where 2-byte loads took 32
-    (benchmark/NOTES.md v38 step 1).
+    Xt [64, R] 16-bit fragment in a wgmma A operand's layout: fused_fwd_opath's Vᵀ from v's ring (x_s [buffers, R,
+    >= 64], b a buffer index), or with walk the backward walk's dOᵀ from its pipelined ring tile (x_s [R, 64], b
+    None; TileLang's warp specialization sees the read through the pointer, so the tile's wait comes before it and
+    its release after). Four instructions a thread at R = 64, where 2-byte loads took 32 (benchmark/NOTES.md v38
+    step 1). walk: from the transposed walks' import source (TRANSPOSED_COPIES), else fused_fwd_opath's.
     """
+    if walk:
+        return x4_transposed(R, "flash_qla_ldsm_x4_trans_walk", "r", TRANSPOSED_COPIES)
     return x4_transposed(R, "flash_qla_ldsm_x4_trans", "r", ROW_COPIES)
 
 
 def stmatrix_transposed(R: int):
     """The macro stmatrix_transposed(Xt, x_s, b, tx): x_s[b, :R, :64] = Xtᵀ (x_s[:R, :64] when b is None), by
     stmatrix.x4.trans (x4_transposed)."""
-    return x4_transposed(R, "flash_qla_stsm_x4_trans", "w", STSM_X4_TRANS)
+    return x4_transposed(R, "flash_qla_stsm_x4_trans", "w", TRANSPOSED_COPIES)
 
 
 def stage_transposed(BV: int, R: int):

@@ -215,6 +215,73 @@ def test_wide_walks_stage_16_bit_tiles_by_stmatrix(factory, args, calls):
     assert source.count(STSM_TRANS_CALL) == calls
 
 
+LDSM_TRANS_WALK_CALL = "flash_qla_ldsm_x4_trans_walk(("
+
+
+@pytest.mark.parametrize(
+    "args,calls",
+    [
+        ((64, "bfloat16", SM90, True, False), 2),  # dOᵀ twice: scaled, then gated
+        ((64, "float16", SM90, False, True), 2),
+        ((64, "bfloat16", SM90, False, True, True), 2),  # ENDS_ONLY reads dO all the same
+        ((128, "bfloat16", SM90, True, False), 0),  # two warpgroups: 2-byte loads
+    ],
+)
+def test_wide_backward_walk_reads_do_by_ldmatrix(args, calls):
+    """At one warpgroup the backward walk reads dOᵀ from its ring tile by ldmatrix.x4.trans
+    (staging.load_transposed with walk), twice a chunk; TileLang's warp specialization must still
+    see the read: the tile's wait comes before the first call and its release after the last."""
+    source = fused_bwd_wide_kernel(2, 8, 128, 128, *args).get_kernel_source()
+    assert source.count(LDSM_TRANS_WALK_CALL) == calls
+    if calls:
+        # the producer's dO stage: wait on its empty barrier, expect bytes on its full one, TMA into do_s
+        empty, full = re.search(
+            r"mbarrier\[\(\(r & 1\) \+ (\d+)\)\]\.wait\([^;]*\);\s*if \(tl::tl_shuffle_elect<128>\(\)\) \{\s*"
+            r"mbarrier\[\(\(r & 1\) \+ (\d+)\)\]\.arrive_and_expect_tx\(\d+\);\s*tl::tma_load\(do_desc",
+            source,
+        ).groups()
+        consumer = source[source.index("tl::warpgroup_reg_alloc") :]
+        waits = consumer.index(f"mbarrier[((r_1 & 1) + {full})].wait")
+        release = consumer.index(f"mbarrier[((r_1 & 1) + {empty})].arrive()")
+        assert waits < consumer.index(LDSM_TRANS_WALK_CALL)
+        assert consumer.rindex(LDSM_TRANS_WALK_CALL) < release
+
+
+@pytest.mark.parametrize(
+    "factory,args,desc",
+    [
+        # the configs of KERNELS (compiled once a process)
+        (fused_bwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True), "dh_desc"),
+        (fused_bwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, True, False), "dh_desc"),
+        (fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True, True), "h_desc"),  # the recompute's
+        (fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True, False, False, False, True), "h_desc"),
+    ],
+)
+def test_narrow_walks_wait_for_their_state_store_a_chunk_later(factory, args, desc):
+    """The narrow walks store dh (h) from the operand tile by TMA and wait for the store's read of it
+    only before the next chunk's staging: a product is issued between the store and its wait."""
+    source = factory(*args).get_kernel_source()
+    store = source.index(f"tl::tma_store({desc}")
+    assert "tma_store_wait" in source[:store]  # the wait before the staging, at the loop's top
+    assert source.index("wgmma_ss", store) < source.index("tma_store_wait", store)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [  # the configs of KERNELS
+        (16, 32, 128, 128, 32, "bfloat16", SM90, True, True),
+        (2, 8, 128, 128, 16, "bfloat16", SM90, True, False),
+        (2, 8, 128, 128, 32, "bfloat16", SM90, False, True, True),  # ENDS_ONLY
+    ],
+)
+def test_narrow_backward_walk_waits_for_dv_product_alone(args):
+    """fused_bwd issues Qᵀ dO behind Aᵀ dv_new and waits for the latter alone (wgmma.wait_group 1),
+    then once for everything after Kᵀ dv: three waits a chunk in all."""
+    source = fused_bwd_kernel(*args).get_kernel_source()
+    loop = source[source.index("tl::warpgroup_reg_alloc") :]
+    assert re.findall(r"wait_wgmma<(\d)>", loop) == ["0", "1", "0"]
+
+
 @pytest.mark.parametrize("states_only", [False, True])
 def test_fused_fwd_wide_chains_share_no_barrier(states_only):
     """The wide walk's consumer warpgroups never wait for each other: its only named barriers (the

@@ -41,8 +41,14 @@ fused_bwd_wide, the same walk transposed; like fused_fwd, it starts without `fol
 T.Pipelined streams the tiles of the coming chunks through a TMA ring, and TileLang
 warp-specializes a producer warpgroup and one wgmma consumer warpgroup. dS stays in fp32
 registers and is staged to shared memory in the input dtype once per chunk as the operand of K
-dS'. The products that do not wait on each other run in flight together: K dS', Pᵀ dO and Qᵀ dO
-(into the decayed dS), then Aᵀ dv_new, then Kᵀ dv; three waits per chunk, not five. The consumer
+dS'. The products that do not wait on each other run in flight together: K dS' and Pᵀ dO (with
+diag(scale · e^γ) dO staged under them), then Aᵀ dv_new with Qᵀ dO (into the decayed dS) issued
+behind it and waited for apart (wgmma.wait_group 1: dv and −diag(e^γ) dv are staged while Qᵀ dO
+runs), then Kᵀ dv with dv's stores under it; three waits per chunk, not five. dS' goes to dh by TMA
+from its operand tile, and the wait for that store's read of the tile comes at the next chunk's
+staging, not at once. These three (the TMA wait, the dv stores, Qᵀ dO behind Aᵀ dv_new) took the
+H200 training step at 16/16 1x2048 163.8 -> 155.6 µs, 4/16 1x2048 154.6 -> 147.0, 2/8 1x2048 132.5 ->
+129.7 (gradients bitwise equal; benchmark/NOTES.md v57). The consumer
 reads the dO tile into registers (which frees its ring slot) before storing its two scaled copies:
 read from shared memory element by element, each load waited behind the previous element's stores,
 which the compiler may not reorder (the walk 0.734 -> 0.659 ms at 16/32 8x4096; NOTES.md v9).
@@ -171,44 +177,55 @@ def fused_bwd_kernel(
                 for i in T.Parallel(C):
                     eg[i] = T.if_then_else(i < valid, T.exp2(gam_s[i] * LOG2E), 0.0)
                     ed[i] = T.if_then_else(i < valid, T.exp2((g_last - gam_s[i]) * LOG2E), 0.0)
-                T.copy(dS, ds_s)
                 if not ENDS_ONLY:
-                    T.copy(ds_s, dh[first_chunk + c, ih, :, v0:v0 + BV])
+                    T.tma_store_wait(0)  # in the thread that issued the last chunk's dh store: it has read ds_s
+                T.copy(dS, ds_s)
+                if not ENDS_ONLY:  # by TMA, waited for at the next chunk's staging
+                    T.tma_copy(ds_s, dh[first_chunk + c, ih, :, v0:v0 + BV], leader_scope_threads=THREADS)
                 T.copy(do_s, DO)
                 for i, j in T.Parallel(C, BV):
                     dom_s[i, j] = T.if_then_else(i < valid, DO[i, j] * scale, 0.0)
-                    doe_s[i, j] = DO[i, j] * (scale * eg_s[i])
 
-                # dS <- e^{γ_L} dS' + Qᵀ diag(scale e^γ) dO − Kᵀ diag(e^γ) dv: the first two terms
-                # now, in flight with the products of dv_new = scale Pᵀ dO + diag(e^{γ_L − γ}) K dS'
+                # dS <- e^{γ_L} dS' + Qᵀ diag(scale e^γ) dO − Kᵀ diag(e^γ) dv: the decay now (before the
+                # products are issued: ptxas waits for every pending product before registers a product
+                # wrote last are read), the products below
                 for d, j in T.Parallel(K, BV):
                     dS[d, j] = dS[d, j] * T.exp2(g_last * LOG2E)
-                with T.ws_op("p_s_k_s_q_s"):  # one op: the ring frees p_s and q_s only after the wait
+                # dv_new = scale Pᵀ dO + diag(e^{γ_L − γ}) K dS': its two products in flight together
+                with T.ws_op("p_s"):  # one op: the ring frees p_s only after the wait
                     T.wgmma_gemm(k_s, ds_s, KD, clear_accum=True)
                     T.wgmma_gemm(p_s, dom_s, DVN, transpose_A=True, clear_accum=True)
-                    T.wgmma_gemm(q_s, doe_s, dS, transpose_A=True)
+                    for i, j in T.Parallel(C, BV):  # the operand of Qᵀ dO, under them
+                        doe_s[i, j] = DO[i, j] * (scale * eg_s[i])
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(KD, num_regs=TILE_REGS)
                     T.warpgroup_fence_operand(DVN, num_regs=TILE_REGS)
-                    T.warpgroup_fence_operand(dS, num_regs=STATE_REGS)
                 for i, j in T.Parallel(C, BV):
                     DVN[i, j] = DVN[i, j] + KD[i, j] * ed[i]
                 T.copy(DVN, dvn_s)
 
-                # dv = Aᵀ dv_new
-                T.gemm(a_s, dvn_s, DV, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, BV):
-                    due_s[i, j] = -DV[i, j] * eg[i]
-                if not ENDS_ONLY:
+                # dv = Aᵀ dv_new, then Qᵀ diag(scale e^γ) dO into dS behind it: waited for with the update's
+                # product, it runs under dv's staging
+                with T.ws_op("a_s_q_s_k_s"):  # one op: the ring frees a_s, q_s and k_s only after the last wait
+                    T.wgmma_gemm(a_s, dvn_s, DV, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(q_s, doe_s, dS, transpose_A=True)
+                    T.wait_wgmma(1)  # Aᵀ dv_new's group; Qᵀ dO's still in flight
+                    T.warpgroup_fence_operand(DV, num_regs=TILE_REGS)
                     for i, j in T.Parallel(C, BV):
-                        dv_s[i, j] = DV[i, j]
-                T.gemm(k_s, due_s, dS, transpose_A=True)
+                        due_s[i, j] = -DV[i, j] * eg[i]
+                    if not ENDS_ONLY:
+                        for i, j in T.Parallel(C, BV):
+                            dv_s[i, j] = DV[i, j]
+                    T.wgmma_gemm(k_s, due_s, dS, transpose_A=True)
+                    if not ENDS_ONLY:  # dv's stores under the update
+                        for i, j in T.Parallel(C, BV):
+                            if i < valid:
+                                dv[t0 + i, ih, v0 + j] = dv_s[i, j]
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(dS, num_regs=STATE_REGS)
 
-                if not ENDS_ONLY:
-                    for i, j in T.Parallel(C, BV):
-                        if i < valid:
-                            dv[t0 + i, ih, v0 + j] = dv_s[i, j]
-
+            if not ENDS_ONLY:
+                T.tma_store_wait(0)  # the last dh store has read ds_s before the block's shared memory goes
             if STORE_DH0:
                 T.copy(dS, dh0[n, ih, :, v0:v0 + BV])
 

@@ -50,7 +50,8 @@ shared-memory ring with TMA; on SM90 TileLang splits the block into a producer
 warpgroup (TMA issue, mbarrier waits) and one consumer warpgroup (`profile.fused_threads`)
 that runs every product with wgmma into fp32 register accumulators. S stays in
 registers (fp32) for the whole walk and is staged to shared memory in the input dtype
-once per chunk as the B operand of Q S and K S. Per chunk the S chain is three dependent
+once per chunk as the B operand of Q S and K S (a 16-bit h is stored from that tile by TMA, the
+wait for the store's read of it coming at the next chunk's staging). Per chunk the S chain is three dependent
 products (K S, A U, Kᵀ v_new); the O path's Q S and P v_new are issued asynchronously
 next to K S and Kᵀ v_new, so a chunk waits on the tensor cores three times, not five.
 While K S and Q S run, the consumers do the work that does not need them: the previous
@@ -218,9 +219,11 @@ def fused_fwd_kernel(
                 if CHECKPOINT:
                     if c > 0 and (first_chunk + c) % E == 0:
                         T.copy(S, h[(first_chunk + c) // E, ih, :, v0:v0 + BV])
-                T.copy(S, s_s)
                 if STAGED_H:
-                    T.copy(s_s, h[first_chunk + c, ih, :, v0:v0 + BV])
+                    T.tma_store_wait(0)  # in the thread that issued the last chunk's h store: it has read s_s
+                T.copy(S, s_s)
+                if STAGED_H:  # by TMA, waited for at the next chunk's staging
+                    T.tma_copy(s_s, h[first_chunk + c, ih, :, v0:v0 + BV], leader_scope_threads=THREADS)
                 # S becomes the accumulator of the update: e^{γ_L} S, Kᵀ diag(e^{γ_L − γ}) v_new
                 # added below (before the products are issued: S was last written by a product,
                 # and ptxas waits for every pending product before such registers are read)
@@ -276,6 +279,8 @@ def fused_fwd_kernel(
                     for i, j in T.Parallel(C, BV):
                         O_prev[i, j] = O[i, j] * scale
 
+            if STAGED_H:
+                T.tma_store_wait(0)  # the last h store has read s_s before the block's shared memory goes
             if not STATES_ONLY and seqlen > 0:
                 last = (seqlen - 1) // C
                 store_o(O_prev, o_s, o, bos + last * C, seqlen - last * C, ih, v0)

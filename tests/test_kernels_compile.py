@@ -5,7 +5,9 @@ the tensor-core products (SM90; with register A operands in the wide walks), TMA
 the fused kernels' shared-memory rings, cp.async for kkt_solve's q and k (they arrive while
 γ is summed) and for chunk_grads' tiles (they arrive under the first products), mma.sync in
 tf32 for kkt_solve's inverse's merges, stmatrix.trans for every 16-bit tile the 64-column wide walks
-stage (o, h, and the backward's dv and dS', counted per kernel), stmatrix and a TMA store in the
+stage (o, h, and the backward's dv and dS', counted per kernel) and ldmatrix.trans for the 64-column
+backward walk's dO reads (inside its ring tile's wait and release), the narrow walks' state stores
+waited for a chunk later and the narrow backward walk's wait_group 1, stmatrix and a TMA store in the
 O-path walk's o staging (with its warpgroups' registers set by setmaxnreg),
 and chunk_grads' batched reductions; that each block's
 shared memory fits the SM; that no kernel touches global memory before its programmatic-launch
@@ -241,9 +243,9 @@ def test_wide_backward_walk_reads_do_by_ldmatrix(args, calls):
             source,
         ).groups()
         consumer = source[source.index("tl::warpgroup_reg_alloc") :]
-        waits = consumer.index(f"mbarrier[((r_1 & 1) + {full})].wait")
+        wait = consumer.index(f"mbarrier[((r_1 & 1) + {full})].wait")
         release = consumer.index(f"mbarrier[((r_1 & 1) + {empty})].arrive()")
-        assert waits < consumer.index(LDSM_TRANS_WALK_CALL)
+        assert wait < consumer.index(LDSM_TRANS_WALK_CALL)
         assert consumer.rindex(LDSM_TRANS_WALK_CALL) < release
 
 

@@ -53,7 +53,7 @@ KERNELS = [
     ("fused_fwd_bv16", fused_fwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, False, False), ("wgmma", "tma_load")),
     ("fused_bwd_bv16_dht", fused_bwd_kernel, (2, 8, 128, 128, 16, "bfloat16", SM90, True, False), ("wgmma", "tma_load")),
     # V-tiles of 64 and 128: the state transposed, every chain operand read by wgmma from registers
-    ("fused_fwd_wide_bv64_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load", "stmatrix.sync.aligned.x4.trans")),
+    ("fused_fwd_wide_bv64_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 64, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load", "flash_qla_stsm_x4_trans((")),
     ("fused_bwd_wide_bv64_dht", fused_bwd_wide_kernel, (2, 8, 128, 128, 64, "bfloat16", SM90, True, False), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_h0_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_fp16", fused_fwd_wide_kernel, (4, 8, 128, 128, 128, "float16", SM90, False, False), ("wgmma_rs", "tma_load")),
@@ -86,7 +86,7 @@ KERNELS = [
     # warpgroups of its own (registers moved by setmaxnreg; o, Sᵀ and v_newᵀ staged by stmatrix, Vᵀ read by ldmatrix;
     # o stored by TMA)
     ("kkt_solve_without_p", kkt_solve_kernel, (2, 8, 128, "bfloat16", SM90, "bfloat16", False, False), ("wgmma", "cp_async_gs", TF32_MMA)),
-    ("fused_fwd_opath", fused_fwd_opath_kernel, (2, 8, 128, 128, "bfloat16", SM90, False), ("wgmma_rs", "tma_load", "tma_store", "warpgroup_reg_alloc", "stmatrix.sync.aligned.x4.m8n8", "ldmatrix.sync.aligned.x4.trans")),
+    ("fused_fwd_opath", fused_fwd_opath_kernel, (2, 8, 128, 128, "bfloat16", SM90, False), ("wgmma_rs", "tma_load", "tma_store", "warpgroup_reg_alloc", "flash_qla_stsm_x4((", "flash_qla_ldsm_x4_trans((")),
     ("fused_fwd_opath_fp16_h0", fused_fwd_opath_kernel, (4, 8, 128, 128, "float16", SM90, True), ("wgmma_rs", "tma_load", "tma_store")),
 ]
 
@@ -217,7 +217,7 @@ def test_wide_walks_stage_16_bit_tiles_by_stmatrix(factory, args, calls):
     assert source.count(STSM_TRANS_CALL) == calls
 
 
-LDSM_TRANS_WALK_CALL = "flash_qla_ldsm_x4_trans_walk(("
+LDSM_TRANS_CALL = "flash_qla_ldsm_x4_trans(("
 
 
 @pytest.mark.parametrize(
@@ -231,10 +231,10 @@ LDSM_TRANS_WALK_CALL = "flash_qla_ldsm_x4_trans_walk(("
 )
 def test_wide_backward_walk_reads_do_by_ldmatrix(args, calls):
     """At one warpgroup the backward walk reads dOᵀ from its ring tile by ldmatrix.x4.trans
-    (staging.load_transposed with walk), twice a chunk; TileLang's warp specialization must still
+    (staging.load_transposed), twice a chunk; TileLang's warp specialization must still
     see the read: the tile's wait comes before the first call and its release after the last."""
     source = fused_bwd_wide_kernel(2, 8, 128, 128, *args).get_kernel_source()
-    assert source.count(LDSM_TRANS_WALK_CALL) == calls
+    assert source.count(LDSM_TRANS_CALL) == calls
     if calls:
         # the producer's dO stage: wait on its empty barrier, expect bytes on its full one, TMA into do_s
         empty, full = re.search(
@@ -245,8 +245,8 @@ def test_wide_backward_walk_reads_do_by_ldmatrix(args, calls):
         consumer = source[source.index("tl::warpgroup_reg_alloc") :]
         wait = consumer.index(f"mbarrier[((r_1 & 1) + {full})].wait")
         release = consumer.index(f"mbarrier[((r_1 & 1) + {empty})].arrive()")
-        assert wait < consumer.index(LDSM_TRANS_WALK_CALL)
-        assert consumer.rindex(LDSM_TRANS_WALK_CALL) < release
+        assert wait < consumer.index(LDSM_TRANS_CALL)
+        assert consumer.rindex(LDSM_TRANS_CALL) < release
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,7 @@ def fused_bwd_wide_kernel(
 
     store_rows = row_store(BV, C)  # x[t0 : t0 + valid] = Xtᵀ, each warpgroup its own 64 columns
     store_dh = state_store(BV, K)  # dh[c] = dS'ᵀ, each warpgroup its own 64 columns
-    load_dot = load_transposed(C, walk=True)  # dOᵀ from its ring tile, at one warpgroup
+    load_dot = load_transposed(C)  # dOᵀ from its ring tile, at one warpgroup
 
     @T.prim_func
     def fused_bwd_wide(

@@ -41,39 +41,23 @@ STAGE_PAD = 8
 STAGE_BARRIER = 4
 
 
-# The transposed walks' two: stmatrix.x4.trans of the four 32-bit words regs[first : first + 4] (pairs of 16-bit
-# values) of a thread's local array, and ldmatrix.x4.trans into them (the same as fused_fwd_opath's, under another
-# name). TileLang's fragment copies emit stmatrix only into a tile of the fragment's own orientation, and a fragment
-# element read outside T.Parallel counts as replicated, so the transposed moves go through these functions, which
-# take the fragment's local array itself (guarded: a kernel may stage more than once). One source for both, as
-# TileLang takes one import a kernel
-TRANSPOSED_COPIES = """
-#ifndef FLASH_QLA_TRANSPOSED_COPIES
-#define FLASH_QLA_TRANSPOSED_COPIES
-__device__ __forceinline__ void flash_qla_stsm_x4_trans(void* smem, const void* regs, int first) {
-  const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
-  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
-               :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
-}
-__device__ __forceinline__ void flash_qla_ldsm_x4_trans_walk(const void* smem, void* regs, int first) {
-  unsigned* r = reinterpret_cast<unsigned*>(regs) + first;
-  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(smem)));
-}
-#endif
-"""
-
-
-# fused_fwd_opath's two: stmatrix.x4 (not transposed) of the same four words, the tile in the fragment's own
-# orientation; and ldmatrix.x4.trans into four words of a local array, the inverse of flash_qla_stsm_x4_trans. One
-# source, as TileLang takes one import a kernel ("Try to merge two annotations with different values for key
-# pragma_import_c" otherwise)
-ROW_COPIES = """
-#ifndef FLASH_QLA_ROW_COPIES
-#define FLASH_QLA_ROW_COPIES
+# stmatrix.x4, stmatrix.x4.trans and ldmatrix.x4.trans of the four 32-bit words regs[first : first + 4] (pairs of
+# 16-bit values) of a thread's local array. TileLang's fragment copies emit stmatrix only into a tile of the
+# fragment's own orientation, and a fragment element read outside T.Parallel counts as replicated, so these moves go
+# through functions that take the fragment's local array itself (guarded: a kernel may stage more than once). One
+# source for every kernel, as TileLang takes one import a kernel ("Try to merge two annotations with different values
+# for key pragma_import_c" otherwise); the functions a kernel does not call are not compiled into it
+COPIES = """
+#ifndef FLASH_QLA_COPIES
+#define FLASH_QLA_COPIES
 __device__ __forceinline__ void flash_qla_stsm_x4(void* smem, const void* regs, int first) {
   const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
   asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
+               :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
+__device__ __forceinline__ void flash_qla_stsm_x4_trans(void* smem, const void* regs, int first) {
+  const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
+  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
                :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
 }
 __device__ __forceinline__ void flash_qla_ldsm_x4_trans(const void* smem, void* regs, int first) {
@@ -101,7 +85,7 @@ def stage_rows(R: int):
     def stage(X, x_s, b, tx):
         warp = tx // 32
         lane = tx % 32
-        T.import_source(ROW_COPIES)
+        T.import_source(COPIES)
         for n in T.unroll(R // 16):
             row = 16 * warp + 8 * (lane // 8 % 2) + lane % 8
             col = 8 * (2 * n + lane // 16)
@@ -110,10 +94,10 @@ def stage_rows(R: int):
     return stage
 
 
-def x4_transposed(R: int, function: str, access: str, source: str):
+def x4_transposed(R: int, function: str, access: str):
     """The macro x4_transposed(Xt, x_s, b, tx): one warpgroup's [64, R] 16-bit fragment Xt moved to or from
-    x_s[b, :R, :64] (x_s[:R, :64] when b is None), transposed, by `function` (stmatrix.x4.trans or
-    ldmatrix.x4.trans, from the import `source`), R / 16 instructions a thread; access "w" or "r".
+    x_s[b, :R, :64] (x_s[:R, :64] when b is None), transposed, by `function` (COPIES' stmatrix.x4.trans or
+    ldmatrix.x4.trans), R / 16 instructions a thread; access "w" or "r".
 
     Xt is in a wgmma accumulator's (and A operand's) layout, tx the thread's index in its warpgroup: in lane l of
     warp w, element 4k + 2h + e of the local array is Xt[16 w + 8 h + l / 4, 8 k + 2 (l % 4) + e], so 32-bit word
@@ -127,7 +111,7 @@ def x4_transposed(R: int, function: str, access: str, source: str):
     def move(Xt, x_s, b, tx):
         warp = tx // 32
         lane = tx % 32
-        T.import_source(source)
+        T.import_source(COPIES)
         for n in T.unroll(R // 16):
             row = 8 * (2 * n + lane // 16) + lane % 8
             col = 16 * warp + 8 * (lane // 8 % 2)
@@ -139,25 +123,22 @@ def x4_transposed(R: int, function: str, access: str, source: str):
     return move
 
 
-def load_transposed(R: int, walk: bool = False):
+def load_transposed(R: int):
     """The macro load_transposed(Xt, x_s, b, tx): Xt = x_s[b, :R, :64]ᵀ (x_s[:R, :64] when b is None), by
     ldmatrix.x4.trans (x4_transposed).
 
     Xt [64, R] 16-bit fragment in a wgmma A operand's layout: fused_fwd_opath's Vᵀ from v's ring (x_s [buffers, R,
-    >= 64], b a buffer index), or with walk the backward walk's dOᵀ from its pipelined ring tile (x_s [R, 64], b
-    None; TileLang's warp specialization sees the read through the pointer, so the tile's wait comes before it and
-    its release after). Four instructions a thread at R = 64, where 2-byte loads took 32 (benchmark/NOTES.md v38
-    step 1). walk: from the transposed walks' import source (TRANSPOSED_COPIES), else fused_fwd_opath's.
+    >= 64], b a buffer index), or the backward walk's dOᵀ from its pipelined ring tile (x_s [R, 64], b None;
+    TileLang's warp specialization sees the read through the pointer, so the tile's wait comes before it and its
+    release after). Four instructions a thread at R = 64, where 2-byte loads took 32 (benchmark/NOTES.md v38 step 1).
     """
-    if walk:
-        return x4_transposed(R, "flash_qla_ldsm_x4_trans_walk", "r", TRANSPOSED_COPIES)
-    return x4_transposed(R, "flash_qla_ldsm_x4_trans", "r", ROW_COPIES)
+    return x4_transposed(R, "flash_qla_ldsm_x4_trans", "r")
 
 
 def stmatrix_transposed(R: int):
     """The macro stmatrix_transposed(Xt, x_s, b, tx): x_s[b, :R, :64] = Xtᵀ (x_s[:R, :64] when b is None), by
     stmatrix.x4.trans (x4_transposed)."""
-    return x4_transposed(R, "flash_qla_stsm_x4_trans", "w", TRANSPOSED_COPIES)
+    return x4_transposed(R, "flash_qla_stsm_x4_trans", "w")
 
 
 def stage_transposed(BV: int, R: int):

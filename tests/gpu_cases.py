@@ -75,6 +75,8 @@ CASES = [
     Case("gva8_Hv16", (777,), heads=(2, 16)),
     Case("gva4_Hv32", (1024, 1), heads=(8, 32), h0=True),
     Case("gva3_Hv48", (2048,), heads=(16, 48)),
+    # 24 (sequence, head) pairs: the backward walk at 64 columns beside the recompute at 64 (beside_widths' grid load)
+    Case("gva3_Hv24", (2048,), heads=(8, 24)),
     Case("gva4_Hv64", (333, 2048), heads=(16, 64), h0=True),
     Case("gva8_Hv64", (2000,), heads=(8, 64)),
     Case("fp16_dense_B2", (), dense=(2, 1000), dtype=torch.float16, h0=True),

@@ -215,11 +215,15 @@ def test_recompute_over_pieces_runs_wide_tiles(n_seqs, T, Hv, expected):
         ((2048,), 32, (64, 64)),  # apart (32, 32): 128 + 128 blocks; at 64 both fit at once
         ((4096,) * 8, 16, (128, 128)),  # as apart: neither grid fits beside the other at any width
         ((4096,) * 8, 32, (128, 128)),
+        ((2048,), 16, (64, 32)),  # the walk at 32 columns: 64 blocks
+        ((2048,), 24, (64, 64)),  # at 32 columns 96 blocks, each chunk slower in the fuller grid (GRID_LOAD)
+        ((2048,) * 3, 8, (64, 64)),
+        ((8192,), 24, (64, 64)),
     ],
 )
 def test_backward_walk_beside_the_recompute(seqlens, Hv, expected):
     """The recompute's and the backward walk's widths, chosen together (measured best of the pairs tried on the
-    H200, benchmark/NOTES.md v47)."""
+    H200, benchmark/NOTES.md v47, v58 and v59)."""
     N, chunks = len(seqlens), -(-sum(seqlens) // (64 * len(seqlens)))
     assert beside_widths(N, chunks, N, chunks, Hv, 128, SM90) == expected
 

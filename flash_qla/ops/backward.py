@@ -100,6 +100,17 @@ def backward_walk_kernel(BV: int):
 # forward walk's table (flash_qla.ops.forward.FORWARD_CHUNK_US), which picks as this one does on DESIGN.md §4's
 # layouts at 8-64 pieces except 8/24 at 8 (64 columns where this table takes 128; not measured).
 BACKWARD_CHUNK_US = {128: 2.90, 64: 2.05, 32: 1.94, 16: 1.47}
+# The walk's chunk takes longer in a fuller grid (its blocks' tile loads share L2 and DRAM): beside_widths costs it
+# BACKWARD_CHUNK_US x (1 + GRID_LOAD x blocks / SMs) / (1 + GRID_LOAD x TABLE_LOAD), the table's grids having held
+# about half the SMs. Fitted on the H200's training steps over all 16 width pairs of 11 configs (benchmark/NOTES.md
+# v58 step 3): the table alone picks the fastest pair, or one within 0.2 %, at ten; at 8/24 1x2048 it put the walk
+# at 32 columns (96 blocks) beside the recompute at 128, where 64 / 64 runs 2.5 % faster. With the load every
+# GRID_LOAD in (0.17, 0.25) picks right at all eleven, and of the pairs it changes (24 sequence x head pairs: 8/24
+# single sequences, 2/8 over three) each was measured faster, gradients bitwise equal: training step 8/24 1x512 73.7 ->
+# 70.2 µs, 1x1024 103.1 -> 99.5, 1x2048 187.3 -> 182.6, 1x4096 357.5 -> 346.9, 2/8 2048x3 200.0 -> 194.9
+# (benchmark/NOTES.md v59).
+GRID_LOAD = 0.2
+TABLE_LOAD = 0.5
 
 
 def beside_widths(walks: int, walk_chunks: int, N: int, chunks: int, Hv: int, V: int, profile: ArchProfile):
@@ -110,19 +121,21 @@ def beside_widths(walks: int, walk_chunks: int, N: int, chunks: int, Hv: int, V:
     Each block of either takes an SM. The walk follows the kernel before it by programmatic launch, so its
     blocks take their SMs first; the recompute's run on the SMs it leaves while it walks (in rounds) and on
     all of them after. Modelled: both grids' time is the walk's, if the recompute fits in the SMs left
-    before the walk ends, else the two one after the other (each in waves of the SMs; equal lengths assumed).
-    Choosing the two widths apart (each the least waves x chunk cost for a grid alone) gave each a grid of
-    about one wave, together two, run one after the other. H200, training step, apart -> together (one
-    process, interleaved; gradients bitwise equal; benchmark/NOTES.md v47): 2/8 8x4096 667.6 -> 649.8 µs
-    (the walk at 128 columns beside the recompute at 64), 16/32 1x2048 261.2 -> 218.9 (both at 64), 4/16
-    1x2048 179.4 -> 156.4, 16/32 1x8192 857.3 -> 802.1 (low-level backward 786.3 -> 590.1); 16/32 8x4096
-    unchanged (each grid fills the SMs). Ties go to the faster recompute alone, then to the wider walk.
+    before the walk ends, else the two one after the other (each in waves of the SMs; equal lengths assumed;
+    the walk's chunk costed at its grid's load, GRID_LOAD). Choosing the two widths apart (each the least
+    waves x chunk cost for a grid alone) gave each a grid of about one wave, together two, run one after the
+    other. H200, training step, apart -> together (one process, interleaved; gradients bitwise equal;
+    benchmark/NOTES.md v47): 2/8 8x4096 667.6 -> 649.8 µs (the walk at 128 columns beside the recompute at
+    64), 16/32 1x2048 261.2 -> 218.9 (both at 64), 4/16 1x2048 179.4 -> 156.4, 16/32 1x8192 857.3 -> 802.1
+    (low-level backward 786.3 -> 590.1); 16/32 8x4096 unchanged (each grid fills the SMs). Ties go to the
+    faster recompute alone, then to the wider walk.
     """
     sms = profile.num_sms
     best = None
     for bv in BLOCK_V_CHOICES:
-        walk = chunks * chunk_step_time(N, Hv, V, bv, profile, BACKWARD_CHUNK_US)
         blocks = N * Hv * (V // bv)
+        load = (1 + GRID_LOAD * min(blocks, sms) / sms) / (1 + GRID_LOAD * TABLE_LOAD)
+        walk = chunks * chunk_step_time(N, Hv, V, bv, profile, BACKWARD_CHUNK_US) * load
         for bv_h in BLOCK_V_CHOICES:
             alone = walk_chunks * chunk_step_time(walks, Hv, V, bv_h, profile, RECOMPUTE_CHUNK_US)
             both = walk + alone  # one after the other

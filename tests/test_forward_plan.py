@@ -7,7 +7,7 @@ import torch
 from gpu_cases import CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
-from flash_qla.ops.backward import beside_widths
+from flash_qla.ops.backward import beside_widths, grads_parts
 from flash_qla.ops.chunks import (
     checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces, first_pieces, sequence_pieces,
 )  # fmt: skip
@@ -228,6 +228,23 @@ def test_backward_walk_beside_the_recompute(seqlens, Hv, expected):
     assert beside_widths(N, chunks, N, chunks, Hv, 128, SM90) == expected
 
 
+@pytest.mark.parametrize(
+    "n_chunks,Hqk,Hv,expected",
+    [
+        (32, 2, 8, 2),  # 2/8 at 2048 tokens: 64 items of 4 v-heads on 64 of 132 SMs; in parts of 2, 128 items of 2
+        (32, 2, 16, 2),
+        (16, 4, 16, 2),  # 4/16 at 1024 tokens: 64 items too
+        (32, 4, 16, 1),  # 128 items: one round either way, 4 v-heads or 2 rounds of 2 (a tie: whole items)
+        (32, 16, 32, 1),
+        (512, 2, 8, 1),  # many rounds: the same v-heads a block either way
+        (3, 16, 16, 1),  # one v-head a qk-head: nothing to split
+    ],
+)
+def test_chunk_grads_splits_items_only_where_sms_idle(n_chunks, Hqk, Hv, expected):
+    """chunk_grads splits a (chunk, qk-head) item's v-heads into parts where that walks fewer v-heads a block."""
+    assert grads_parts(n_chunks, Hqk, Hv, 132) == expected
+
+
 def _pieces_by_hand(seqlens, chunk, every):
     """(token start, first global chunk, checkpoint row) of every piece, walking the sequences."""
     slots = sum(seqlens) // chunk + len(seqlens)
@@ -439,8 +456,8 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
     monkeypatch.setattr(backward, "multiprocessors", lambda device: 132)
     for name in ("kkt_solve", "fused_bwd", "fused_bwd_wide"):
         monkeypatch.setattr(backward, f"{name}_kernel", factory(name))
-    # chunk_grads recorded with the dtype it stores dβ in, its last argument
-    monkeypatch.setattr(backward, "chunk_grads_kernel", lambda *args: factory(f"chunk_grads {args[-1]}")())
+    # chunk_grads recorded with the dtype it stores dβ in and its parts, its last two arguments
+    monkeypatch.setattr(backward, "chunk_grads_kernel", lambda *args: factory(f"chunk_grads {args[-2]} {args[-1]}")())
     monkeypatch.setattr(backward, "walk_kernel", lambda BV: factory(f"walk{BV}"))
     monkeypatch.setattr(backward, "backward_walk_kernel", lambda BV: factory(f"backward_walk{BV}"))
     monkeypatch.setattr(backward, "executable", lambda kernel: f"launch {kernel}")
@@ -455,10 +472,10 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
 
     training = plan((4096,) * 8, 8)  # 2/8 8x4096 after a training forward: recompute, whole walk, chunk_grads
     # the walk at 128 columns beside the recompute at 64 (beside_widths)
-    assert plan((4096,) * 8, 8) is training and built == ["backward_walk128", "walk64", "chunk_grads bfloat16"]
+    assert plan((4096,) * 8, 8) is training and built == ["backward_walk128", "walk64", "chunk_grads bfloat16 1"]
     assert training.kkt is None and training.recompute == "launch walk64" and training.BV_h == 64
     assert (training.split, training.BV, training.walk) == (False, 128, "launch backward_walk128")
-    assert training.grads == "launch chunk_grads bfloat16" and training.blocks == 132 and training.ends_walk is None
+    assert training.grads == "launch chunk_grads bfloat16 1" and training.blocks == 132 and training.ends_walk is None
     assert training.slots == 8 * 4096 // 64 + 8
     del built[:]
     low_level = plan((4096,) * 8, 8, kept_terms=False)  # the low-level backward forms P, γ and gates
@@ -476,7 +493,10 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
     assert not plan((32768,), 8, auto_cp=False).split  # auto_cp off walks whole
     del built[:]
     fp32_beta = plan((4096,) * 8, 8, beta_dtype=torch.float32)  # chunk_grads stores dβ in β's dtype
-    assert fp32_beta is not training and built == ["backward_walk128", "walk64", "chunk_grads float32"]
+    assert fp32_beta is not training and built == ["backward_walk128", "walk64", "chunk_grads float32 1"]
+    short = plan((2048,), 8)  # 2/8 at 2048 tokens: 64 items of 4 v-heads in two parts of 2
+    assert short.grads == "launch chunk_grads bfloat16 2" and short.parts == 2
+    assert short.blocks == short.slots * 2 * 2 == 132  # the slots' bound: 33 slots (the last empty) x 2 qk-heads x 2
 
 
 @pytest.mark.parametrize("Hv", [8, 16, 32, 48, 64])

@@ -12,7 +12,11 @@ write fails the check):
   forward's g_cum and A, against chunk_gated_delta_rule_bwd_ref.
 - test_backward_is_deterministic: two runs of one backward give bitwise-identical gradients.
 - test_chunk_grads_independent_of_block_count: chunk_grads' persistent blocks (one per SM) give
-  bitwise the gradients of one block and of three walking every chunk, empty slots included.
+  bitwise the gradients of one block and of three walking every chunk, empty slots included, with
+  whole items and with each item's v-heads in two parts.
+- test_chunk_grads_in_parts_match_whole_items: an item's v-heads in two parts (dq and dk summed
+  through fp32 buffers by the part that finishes second) against whole items, twice (the counts
+  left zero).
 - test_training_backward_takes_the_forward_kkt_outputs: the training backward reuses the forward's
   P, γ and gates (no kkt_solve) and matches the low-level backward bitwise.
 - test_checkpointed_recompute_is_exact, test_split_backward_matches_whole_walk: the backward's
@@ -201,10 +205,13 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("parts", [1, 2])
 @pytest.mark.parametrize("case_id", ["varlen_edges_h0", "gva4_Hv64"])
-def test_chunk_grads_independent_of_block_count(case_id, monkeypatch):
+def test_chunk_grads_independent_of_block_count(case_id, parts, monkeypatch):
     """Each (chunk, qk-head) item's arithmetic is the same whichever persistent block computes it and
-    whatever that block copied ahead: one block, three, and one per SM agree bitwise."""
+    whatever that block copied ahead, and with its v-heads in two parts whichever part finishes last (one
+    block walks both of an item's parts): one block, three, and one per SM agree bitwise."""
+    patch_planner(monkeypatch, "grads_parts", lambda *args: parts, backward_module)
     case = next(c for c in CASES if c.id == case_id)
     x, cu, h0 = case_inputs(case, seed=6)
     do = _randn(x["v"].shape, x["v"].dtype, 7)
@@ -222,6 +229,39 @@ def test_chunk_grads_independent_of_block_count(case_id, monkeypatch):
     for blocks in (1, 3):
         for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), backward(blocks), every_sm):
             assert torch.equal(a, b), (blocks, name)
+
+
+# dq and dk of an item in parts are the same fp32 terms summed in another order (a part's v-heads, then the parts),
+# rounded once to bf16: within a few of its ulps (2^-8 relative) where the terms cancel, about 2^-16 in L2.
+PARTS_TOL = 1e-3
+
+
+@pytest.mark.parametrize("case_id", ["varlen_edges_h0", "gva8_Hv16", "gva4_Hv64"])
+def test_chunk_grads_in_parts_match_whole_items(case_id, monkeypatch):
+    """An item's v-heads in two parts (chunk_grads' dq and dk summed through the parts' fp32 buffers by the
+    last part to finish) against whole items: dv, dβ, dg and dh0 bitwise (per v-head, untouched), dq and dk
+    within PARTS_TOL; the counts left zero for the next launch."""
+    case = next(c for c in CASES if c.id == case_id)
+    x, cu, h0 = case_inputs(case, seed=12)
+    do = _randn(x["v"].shape, x["v"].dtype, 13)
+    dht = _randn((_num_seqs(case), case.heads[1], 128, 128), torch.float32, 14)
+    g_cum, A, _, _, _ = flash_qla.chunk_gated_delta_rule_fwd(**x, initial_state=h0, cu_seqlens=cu)
+    grads = {}
+    for parts in (1, 2, 2):  # twice in parts: the counts must be back at zero after the first
+        patch_planner(monkeypatch, "grads_parts", lambda *args: parts, backward_module)
+        grads.setdefault(parts, []).append(flash_qla.chunk_gated_delta_rule_bwd(
+            x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu
+        ))  # fmt: skip
+    (whole,), (split, again) = grads[1], grads[2]
+    for name, a, b, c in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), whole, split, again):
+        if a is None:  # no h0, no dh0
+            assert b is None and c is None, name
+            continue
+        assert torch.equal(b, c), name
+        if name in ("dq", "dk"):
+            assert rel_l2(b, a) <= PARTS_TOL, (name, rel_l2(b, a))
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_training_backward_takes_the_forward_kkt_outputs(monkeypatch):

@@ -9,7 +9,7 @@ stage (o, h, and the backward's dv and dS', counted per kernel) and ldmatrix.tra
 backward walk's dO reads (inside its ring tile's wait and release), the narrow walks' state stores
 waited for a chunk later and the narrow backward walk's wait_group 1, stmatrix and a TMA store in the
 O-path walk's o staging (with its warpgroups' registers set by setmaxnreg),
-and chunk_grads' batched reductions; that each block's
+and chunk_grads' batched reductions (and, in parts, its fenced count); that each block's
 shared memory fits the SM; that no kernel touches global memory before its programmatic-launch
 wait; and that the kernels with large register tiles keep nothing in local
 memory and no wgmma serialised (ptxas, through nvcc).
@@ -82,6 +82,8 @@ KERNELS = [
     ("compose_maps_reverse_dht", compose_maps_kernel, (8, 128, 128, SM90, True, True), ("wgmma", "tma_load", "warpgroup_reg_alloc")),
     # every tile by cp.async, waited for at its first use; dβ stored in β's dtype (bf16 here)
     ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async_gs")),
+    # an item's v-heads in two parts: each part's dq and dk sums fenced, counted by an atomic, added by the last part
+    ("chunk_grads_parts", chunk_grads_kernel, (2, 8, 128, 128, "bfloat16", SM90, "bfloat16", 2), ("wgmma", "cp_async_gs", "__threadfence", "AtomicAddRet")),
     # an inference forward at 64 columns: kkt_solve without P (only K Kᵀ on wgmma), the walk with the O path on two
     # warpgroups of its own (registers moved by setmaxnreg; o, Sᵀ and v_newᵀ staged by stmatrix, Vᵀ read by ldmatrix;
     # o stored by TMA)
@@ -102,7 +104,7 @@ def test_kernel_compiles_for_sm90(name, factory, args, instructions):
 NO_LOCAL_MEMORY = (
     "kkt_solve", "fused_fwd_bv32_h0_h", "fused_fwd_bv16", "fused_bwd_bv32_dht_dh0", "fused_bwd_bv16_dht",
     "fused_fwd_wide_bv64_h0_h", "fused_fwd_wide_h0_h", "fused_fwd_wide_states_only", "fused_bwd_wide_bv64_dht",
-    "fused_bwd_wide_dht_dh0", "chunk_grads", "fused_fwd_keep_h", "fused_fwd_wide_keep_h", "kkt_solve_without_p",
+    "fused_bwd_wide_dht_dh0", "chunk_grads", "chunk_grads_parts", "fused_fwd_keep_h", "fused_fwd_wide_keep_h", "kkt_solve_without_p",
     "fused_fwd_opath", "fused_fwd_maps", "fused_fwd_wide_maps", "fused_fwd_offsets", "fused_fwd_wide_offsets",
     "fused_bwd_ends_only", "fused_bwd_wide_ends_only", "compose_maps", "compose_maps_reverse_dht",
 )  # fmt: skip

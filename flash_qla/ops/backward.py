@@ -49,7 +49,8 @@ Reads like flash_qla/reference/backward_stages.py:
      maps) or, without them, where forming the maps pays (splits_backward, from the lengths
      validation read; flash_qla.ops.context_parallel.split_backward_walk);
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
-     results are bitwise reproducible), dβ and dg of every chunk in parallel.
+     results are bitwise reproducible), dβ and dg of every chunk in parallel; where the (chunk,
+     qk-head) items are fewer than the SMs, each item's v-heads in two halves on two blocks (grads_parts).
 
 What a call decides from its shapes and options alone (the route, the V-tile widths, the kernels) is
 decided once per shapes and options (backward_plan), as the forward's (flash_qla.ops.forward.forward_plan).
@@ -148,6 +149,24 @@ def beside_widths(walks: int, walk_chunks: int, N: int, chunks: int, Hv: int, V:
     return best[1]
 
 
+# the parts chunk_grads may split a (chunk, qk-head) item into (grads_parts): whole, or two halves of its v-heads
+GRADS_PARTS = (1, 2)
+
+
+def grads_parts(n_chunks: int, Hqk: int, Hv: int, sms: int) -> int:
+    """How many items chunk_grads splits each (chunk, qk-head) into, each walking Hv / Hqk / parts of its
+    v-heads: the least rounds of its persistent blocks x v-heads an item, ties to fewer parts.
+
+    One block an SM walks its items' v-heads one after the other, so where the items are fewer than the
+    SMs (few qk-heads, short sequences: 2/8 at 2048 tokens has 64 items of 4 v-heads) most SMs idle. In
+    two parts, an item's dq and dk are the sum of the parts' (two addends: bitwise reproducible), added
+    by the part that finishes second, through fp32 buffers and a count an item.
+    """
+    groups = Hv // Hqk
+    options = [p for p in GRADS_PARTS if groups % p == 0]
+    return min(options, key=lambda p: (-(-n_chunks * Hqk * p // sms) * (groups // p), p))
+
+
 def backward_kernels(
     q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp,
     chunk_terms,
@@ -184,6 +203,7 @@ class BackwardPlan(NamedTuple):
     map_walk: Callable | None  # split without the forward's maps: the MAPS walk forming them
     BV_maps: int | None  # its V-tile width
     grads: Callable  # chunk_grads (dβ stored in the beta_dtype the plan was made for)
+    parts: int  # its parts of an item (grads_parts)
     blocks: int  # chunk_grads' persistent blocks
 
 
@@ -240,11 +260,14 @@ def backward_plan(
     if not kept_states:
         has_start = has_checkpoints or has_h0
         recompute = executable(walk_kernel(BV_h)(Hqk, Hv, K, V, BV_h, name, profile, has_start, True, True))
-    grads = executable(chunk_grads_kernel(Hqk, Hv, K, V, name, profile, beta_name))
-    blocks = min(multiprocessors(device), slots * Hqk)  # persistent: one block an SM
+    sms = multiprocessors(device)
+    parts = grads_parts(sum(-(-n // C) for n in seqlens), Hqk, Hv, sms)
+    grads = executable(chunk_grads_kernel(Hqk, Hv, K, V, name, profile, beta_name, parts))
+    blocks = min(sms, slots * Hqk * parts)  # persistent: one block an SM
     return BackwardPlan(
-        profile, slots, kkt, recompute, BV_h, split, executable(walk), BV, ends_walk, map_walk, BV_maps, grads, blocks
-    )
+        profile, slots, kkt, recompute, BV_h, split, executable(walk), BV, ends_walk, map_walk, BV_maps, grads, parts,
+        blocks,
+    )  # fmt: skip
 
 
 def _backward_kernels(
@@ -348,7 +371,16 @@ def _backward_kernels(
         main.wait_stream(beside)
     dq, dk = buffers.new_like(q), buffers.new_like(k)
     dbeta, dg = buffers.new((T, Hv), dbeta_dtype, q), buffers.new((T, Hv), f32, q)
-    plan.grads(q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, scale, slots, plan.blocks)
+    if plan.parts > 1:  # each part's dq and dk sums, and a count of the parts done an item
+        dq_parts, dk_parts = (buffers.new((slots, C, Hqk, plan.parts, K), f32, q) for _ in range(2))
+        counts = buffers.counters(slots * Hqk, q).view(slots, Hqk)
+    else:
+        dq_parts, counts = buffers.no_parts(q.device, C, Hqk, K)
+        dk_parts = dq_parts
+    plan.grads(
+        q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, dq_parts, dk_parts, counts, scale, slots,
+        plan.blocks,
+    )  # fmt: skip
 
     return (
         dq[None],
@@ -379,5 +411,7 @@ def backward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, 
         # the pieces' offsets of a split backward walk (its maps are the forward's MAPS walk)
         builds.append((backward_walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, True, True)))
     builds += [(compose_maps_kernel, (Hv, K, V, profile, has_dht, True)) for has_dht in (False, True)]
-    builds += [(chunk_grads_kernel, (Hqk, Hv, K, V, dtype, profile, bd)) for bd in (dtype, "float32")]
+    for parts in GRADS_PARTS:
+        if (Hv // Hqk) % parts == 0:
+            builds += [(chunk_grads_kernel, (Hqk, Hv, K, V, dtype, profile, bd, parts)) for bd in (dtype, "float32")]
     return builds

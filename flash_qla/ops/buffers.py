@@ -47,6 +47,35 @@ def no_bounds(device: torch.device, Hv: int) -> torch.Tensor:
     return _placeholders[key]
 
 
+def no_parts(device: torch.device, C: int, Hqk: int, K: int) -> tuple:
+    """chunk_grads' dq / dk parts [1, C, Hqk, 1, K] fp32 and counts [1, Hqk] int32 where it walks whole
+    items (PARTS = 1: neither read nor written)."""
+    key = ("parts", device, C, Hqk, K)
+    if key not in _placeholders:
+        parts = torch.empty(1, C, Hqk, 1, K, dtype=torch.float32, device=device)
+        _placeholders[key] = (parts, torch.zeros(1, Hqk, dtype=torch.int32, device=device))
+    return _placeholders[key]
+
+
+# (device index, raw stream) -> int32 zeros that the kernels counting in them leave zero
+_counters: dict = {}
+
+
+def counters(n: int, like: torch.Tensor) -> torch.Tensor:
+    """n int32 zeros on like's device, for a kernel that counts in them and leaves them zero (chunk_grads'
+    parts). The same ones to every call on this device and stream (stream order keeps the calls apart;
+    a new stream gets its own), grown when a call needs more; during a CUDA graph capture new ones, zeroed
+    by a captured fill."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=like.device)
+    device = like.device.index
+    key = (device, torch._C._cuda_getCurrentRawStream(device))
+    kept = _counters.get(key)
+    if kept is None or kept.numel() < n:
+        kept = _counters[key] = torch.zeros(n, dtype=torch.int32, device=like.device)
+    return kept[:n]
+
+
 # (device index, raw stream, thread) -> (specs, buffers) of the last call there
 _scratch: dict = {}
 

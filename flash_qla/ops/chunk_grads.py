@@ -41,7 +41,8 @@ bitwise the same. Training step, H200, one process, interleaved: 16/32 1x32768 2
 Precision: every reduction (dγ, dβ, ⟨S, dS'⟩) sums in fp32; only the operands of the
 tensor-core products are rounded to the input dtype (S and dS' arrive rounded so). dq and
 dk of a qk-head sum over its v-heads in fp32 registers in a fixed order (deterministic,
-no atomics) and are rounded once when stored. Rows past the sequence's end (last chunk)
+no atomics on them; in two parts, below, the two parts' fp32 sums are added, the same bits in
+either order) and are rounded once when stored. Rows past the sequence's end (last chunk)
 hold the next sequence's finite data and only ever meet zero factors (e^γ, e^{γ_L − γ},
 Γ, the zero upper triangle of A), so tiles are loaded unmasked.
 
@@ -62,6 +63,9 @@ Outputs:
                gave, one launch and a [T, Hv] fp32 buffer less; training step 2/8 8x4096 665.6 ->
                663.9 µs, 16/32 1x2048 264.5 -> 260.3; benchmark/NOTES.md v41)
     dg         [T, Hv]       fp32
+    dq_parts, dk_parts [slots, C, Hqk, 2, K] fp32: each part's sums (PARTS = 2; else [1, C, Hqk, 1, K],
+               unused)
+    counts     [slots, Hqk]  int32, zero: an item's parts done (PARTS = 2; else [1, Hqk], unused); left zero
 
 Schedule: persistent, one block of `grads_threads` threads (two warpgroups) per SM
 (`blocks`); block b takes the items (chunk slot, qk-head) b, b + blocks, ..., slot-major, so the
@@ -72,6 +76,14 @@ or of the block's previous item) computes, each set as soon as that one has read
 the last time: S, dS', A and γ after the products with the states; at its end k and q (when the
 next v-head starts an item), then V, dO and dU. The next item's chunk row (first token, tokens)
 is loaded at the item's start and first read there, so no copy waits for the chunk table.
+In PARTS = 2 parts (flash_qla.ops.backward.grads_parts: where the items are fewer than the SMs, a
+block walking all of an item's v-heads leaves most SMs idle) an item is (chunk slot, qk-head, part),
+the two parts neighbours, each walking half the qk-head's v-heads: it stores its fp32 dq and dk sums
+in dq_parts and dk_parts (every row: whole 8-byte stores and loads, no masks), fences them
+(__threadfence) and counts itself in its item's count (atomicAdd, one thread); the part that
+counts second fences again, adds the other part's sums to its own (two addends: the same bits
+whichever part adds), sets the count back to zero and stores dq and dk. dβ and dg, per v-head,
+are the same arithmetic either way.
 Against a block per (chunk, qk-head), which loaded its chunk row, then q and k and its first
 v-head's tiles, and waited for them with nothing to overlap: chunk_grads ~1.36 -> ~1.29 ms at
 16/32 8x4096 (low-level backward 2.193 -> 2.131 ms), 2/8 8x4096 0.598 -> 0.587
@@ -131,11 +143,17 @@ LOG2E = 1.4426950408889634
 
 
 @kernel_factory
-def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: ArchProfile, beta_dtype: str):
+def chunk_grads_kernel(
+    Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: ArchProfile, beta_dtype: str, PARTS: int = 1
+):  # fmt: skip
     """Compile (or load from TileLang's cache) the chunk gradients for one static config; beta_dtype: dβ's
-    (flash_qla.ops.forward.beta_kernel_dtype's name)."""
+    (flash_qla.ops.forward.beta_kernel_dtype's name); PARTS: the items a (chunk, qk-head) splits into, each
+    walking GROUPS / PARTS of its v-heads (PARTS = 2: dq and dk summed through dq_parts, dk_parts and counts)."""
     C = profile.chunk
     GROUPS = Hv // Hqk
+    assert PARTS in (1, 2) and GROUPS % PARTS == 0, "whole items, or two of whole v-heads"
+    VHEADS = GROUPS // PARTS  # an item's v-heads
+    PER_SLOT = Hqk * PARTS  # items a chunk slot
     assert K % C == 0, "⟨S, dS'⟩ folds K rows onto C"
     assert K == V, "dq and dk are staged in v_new's tile"
     # a wgmma accumulator's rows are 4 warps of 16 (the column sums' four parts), and warp 0 holds
@@ -152,6 +170,7 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
     WARP_ROWS = 16
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
+    part_slots = T.dynamic("part_slots")  # chunk slots (PARTS = 2), else a placeholder's 1
     # a v-head's tiles in the order they are copied, one cp.async group each, in two sets issued
     # where the previous v-head frees their tiles (see the docstring); an item's k and q come
     # between γ and V, so the waits count the same groups after each tile at every v-head
@@ -188,16 +207,33 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
         T.async_copy(do[t0:t0 + C, ih, :], do_s)
         T.async_copy(dv[t0:t0 + C, ih, :], du_s)
 
+    @T.macro
+    def store_dq_dk(DQ, DK, vn_s, dq, dk, t0, valid, ihk):
+        """dq and dk of an item's chunk, staged in v_new's tile (free now) for whole-row 16-byte stores."""
+        T.copy(DQ, vn_s)
+        for i, d in T.Parallel(C, K):
+            if i < valid:
+                dq[t0 + i, ihk, d] = vn_s[i, d]
+        T.sync_threads()
+        T.copy(DK, vn_s)
+        for i, d in T.Parallel(C, K):
+            if i < valid:
+                dk[t0 + i, ihk, d] = vn_s[i, d]
+
     def next_vhead(hg, slot, t0, ih, next_item, next_t0, next_valid):
         """The block's next v-head as expressions (whether there is one, its chunk slot, first token
         and v-head): this chunk's next one, else the first of the block's next item."""
-        in_item = hg + 1 < GROUPS
+        in_item = hg + 1 < VHEADS
         return (
             T.Or(in_item, next_valid > 0),
-            T.if_then_else(in_item, slot, next_item // Hqk),
+            T.if_then_else(in_item, slot, next_item // PER_SLOT),
             T.if_then_else(in_item, t0, next_t0),
-            T.if_then_else(in_item, ih + 1, (next_item % Hqk) * GROUPS),
+            T.if_then_else(in_item, ih + 1, (next_item % PER_SLOT) * VHEADS),
         )
+
+    def qk_head(item):
+        """The qk-head of an item (its PARTS parts are neighbours; whole items spelled as before the parts)."""
+        return item % Hqk if PARTS == 1 else item // PARTS % Hqk
 
     @T.prim_func
     def chunk_grads(
@@ -215,6 +251,9 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
         dk: T.Tensor([tokens, Hqk, K], dtype),
         dbeta: T.Tensor([tokens, Hv], beta_dtype),
         dg: T.Tensor([tokens, Hv], accum),
+        dq_parts: T.Tensor([part_slots, C, Hqk, PARTS, K], accum),
+        dk_parts: T.Tensor([part_slots, C, Hqk, PARTS, K], accum),
+        counts: T.Tensor([part_slots, Hqk], "int32"),
         scale: T.float32,
         slots: T.int32,
         blocks: T.int32,
@@ -249,6 +288,8 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
             db_s = T.alloc_shared([C, 2], accum, scope="shared")  # dβ
             rb_s = T.alloc_shared([C], accum, scope="shared")  # 1 / β², β read from A's diagonal
             quot_s = T.alloc_shared([1], "int32", scope="shared")  # dβ as the quotient (every valid β ≥ BETA_MIN)
+            if PARTS == 2:
+                done_s = T.alloc_shared([1], "int32", scope="shared")  # the item's parts done before this one
 
             KS = T.alloc_fragment([C, V], accum)  # K S, then U, then W = U − N v_new
             KD = T.alloc_fragment([C, V], accum)  # K dS', then scale Pᵀ dO − Nᵀ dU
@@ -286,33 +327,34 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
 
             # items (chunk slot, qk-head), slot-major: the empty slots past the last chunk come
             # last, so a block's items are valid up to its first empty one
-            items = slots * Hqk
+            items = slots * PER_SLOT
             next_valid = 0
             if bid < items:
-                next_t0 = chunk_table[bid // Hqk, 0]
-                next_valid = chunk_table[bid // Hqk, 1]
+                next_t0 = chunk_table[bid // PER_SLOT, 0]
+                next_valid = chunk_table[bid // PER_SLOT, 1]
                 if next_valid > 0:  # the first item's first v-head, in the order of the later copies
-                    copy_state_tiles(h, dh, A, gamma, s_s, ds_s, a_s, gam_s, bid // Hqk, next_t0, (bid % Hqk) * GROUPS)
-                    copy_qk_tiles(q, k, q_s, k_s, next_t0, bid % Hqk)
-                    copy_grad_tiles(v, do, dv, u_s, do_s, du_s, next_t0, (bid % Hqk) * GROUPS)
+                    first = (bid % PER_SLOT) * VHEADS
+                    copy_state_tiles(h, dh, A, gamma, s_s, ds_s, a_s, gam_s, bid // PER_SLOT, next_t0, first)
+                    copy_qk_tiles(q, k, q_s, k_s, next_t0, qk_head(bid))
+                    copy_grad_tiles(v, do, dv, u_s, do_s, du_s, next_t0, first)
 
             for it in T.serial(T.ceildiv(items - bid, blocks)):
                 item = bid + it * blocks
-                slot = item // Hqk
-                ihk = item % Hqk
+                slot = item // PER_SLOT
+                ihk = qk_head(item)
                 t0 = next_t0
                 valid = next_valid
                 # the next item's chunk, loaded now and first read where its tiles are copied
                 next_valid = 0
                 if item + blocks < items:
-                    next_t0 = chunk_table[(item + blocks) // Hqk, 0]
-                    next_valid = chunk_table[(item + blocks) // Hqk, 1]
+                    next_t0 = chunk_table[(item + blocks) // PER_SLOT, 0]
+                    next_valid = chunk_table[(item + blocks) // PER_SLOT, 1]
                 if valid > 0:
                     T.clear(DQ)
                     T.clear(DK)
 
-                    for hg in T.serial(GROUPS):
-                        ih = ihk * GROUPS + hg
+                    for hg in T.serial(VHEADS):
+                        ih = ihk * GROUPS + hg if PARTS == 1 else (item % PER_SLOT) * VHEADS + hg
                         # this v-head's tiles were copied while the previous one computed (and the
                         # item's k and q, between γ and V)
                         arrived(pending_after("γ"))
@@ -473,19 +515,32 @@ def chunk_grads_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profile: A
                                 )
                         n_ok, n_slot, n_t0, n_ih = next_vhead(hg, slot, t0, ih, item + blocks, next_t0, next_valid)
                         if n_ok:
-                            if hg + 1 == GROUPS:  # q and k are read for the last time too
-                                copy_qk_tiles(q, k, q_s, k_s, n_t0, (item + blocks) % Hqk)
+                            if hg + 1 == VHEADS:  # q and k are read for the last time too
+                                copy_qk_tiles(q, k, q_s, k_s, n_t0, qk_head(item + blocks))
                             copy_grad_tiles(v, do, dv, u_s, do_s, du_s, n_t0, n_ih)
 
-                    # dq and dk staged in v_new's tile (free now) for whole-row 16-byte stores
-                    T.copy(DQ, vn_s)
-                    for i, d in T.Parallel(C, K):
-                        if i < valid:
-                            dq[t0 + i, ihk, d] = vn_s[i, d]
-                    T.sync_threads()
-                    T.copy(DK, vn_s)
-                    for i, d in T.Parallel(C, K):
-                        if i < valid:
-                            dk[t0 + i, ihk, d] = vn_s[i, d]
+                    if PARTS == 1:
+                        store_dq_dk(DQ, DK, vn_s, dq, dk, t0, valid, ihk)
+                    else:  # this part's sums; the part that finishes second adds the other's and stores
+                        part = item % PARTS
+                        for i, d in T.Parallel(C, K):  # every row (those past the end unread)
+                            dq_parts[slot, i, ihk, part, d] = DQ[i, d]
+                            dk_parts[slot, i, ihk, part, d] = DK[i, d]
+                        T.call_extern("handle", "__threadfence")  # the sums reach L2 before the count
+                        T.sync_threads()
+                        if tx == 0:
+                            done_s[0] = T.atomic_add(counts[slot, ihk], 1, return_prev=True)
+                        T.sync_threads()
+                        if done_s[0] == 1:
+                            # the other part's sums from L2 (no SM's L1 holds their lines: each item's rows are its
+                            # own, and L1 starts empty of global data every launch); two addends, so the sum is
+                            # the same bits whichever part adds
+                            T.call_extern("handle", "__threadfence")
+                            for i, d in T.Parallel(C, K):
+                                DQ[i, d] += dq_parts[slot, i, ihk, 1 - part, d]
+                                DK[i, d] += dk_parts[slot, i, ihk, 1 - part, d]
+                            if tx == 0:  # zero again for the next launch
+                                counts[slot, ihk] = 0
+                            store_dq_dk(DQ, DK, vn_s, dq, dk, t0, valid, ihk)
 
     return tilelang.compile(chunk_grads, target=profile.target)

@@ -237,10 +237,10 @@ PARTS_TOL = 1e-3
 
 
 @pytest.mark.parametrize("case_id", ["varlen_edges_h0", "gva8_Hv16", "gva4_Hv64"])
-def test_chunk_grads_in_parts_match_whole_items(case_id, monkeypatch):
+def test_chunk_grads_in_parts_match_whole_items(case_id, monkeypatch, poisoned):
     """An item's v-heads in two parts (chunk_grads' dq and dk summed through the parts' fp32 buffers by the
-    last part to finish) against whole items: dv, dβ, dg and dh0 bitwise (per v-head, untouched), dq and dk
-    within PARTS_TOL; the counts left zero for the next launch."""
+    part that finishes second) against whole items: dv, dβ, dg and dh0 bitwise (per v-head, untouched), dq
+    and dk within PARTS_TOL; the counts left zero for the next launch (else no part stores dq and dk: NaN)."""
     case = next(c for c in CASES if c.id == case_id)
     x, cu, h0 = case_inputs(case, seed=12)
     do = _randn(x["v"].shape, x["v"].dtype, 13)

@@ -484,9 +484,11 @@ def test_precompile_lists_every_backward_kernel():
     # kkt_solve in backward mode forming the bounds (β in q's dtype and in fp32) and not; for every V-tile width the states-only walk with and without h0
     # (from the checkpoints or the sequences' starts), the forward walk keeping checkpoints with
     # and without h0, the backward walk with and without dht / dh0 and the split backward's
-    # offsets walk; the reverse composition with and without dht; chunk_grads storing dβ in q's dtype and in fp32
-    assert len(builds) == 3 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2 + 2
+    # offsets walk; the reverse composition with and without dht; chunk_grads storing dβ in q's dtype and in fp32,
+    # with whole items and in halves (two v-heads a qk-head; one v-head: whole items only)
+    assert len(builds) == 3 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2 + 2 * 2
     assert not set(builds) & set(forward_kernel_builds(SM90, 16, 32, "bfloat16"))
+    assert len(backward_kernel_builds(SM90, 16, 16, "bfloat16")) == len(builds) - 2
 
 
 def test_precompile_lists_the_kept_states_walks():

@@ -232,7 +232,8 @@ def test_chunk_grads_independent_of_block_count(case_id, parts, monkeypatch):
 
 
 # dq and dk of an item in parts are the same fp32 terms summed in another order (a part's v-heads, then the parts),
-# rounded once to bf16: within a few of its ulps (2^-8 relative) where the terms cancel, about 2^-16 in L2.
+# rounded once to bf16: an element moves by at most a bf16 ulp or two (2^-8 relative) where the terms cancel;
+# measured 0.7-4.4e-5 in L2 on the H200 (benchmark/NOTES.md v59 step 2), the bound 20x that.
 PARTS_TOL = 1e-3
 
 

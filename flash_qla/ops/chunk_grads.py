@@ -232,8 +232,8 @@ def chunk_grads_kernel(
         )
 
     def qk_head(item):
-        """The qk-head of an item (its PARTS parts are neighbours; whole items spelled as before the parts)."""
-        return item % Hqk if PARTS == 1 else item // PARTS % Hqk
+        """The qk-head of an item (its PARTS parts are neighbours)."""
+        return item % PER_SLOT // PARTS
 
     @T.prim_func
     def chunk_grads(
@@ -354,7 +354,7 @@ def chunk_grads_kernel(
                     T.clear(DK)
 
                     for hg in T.serial(VHEADS):
-                        ih = ihk * GROUPS + hg if PARTS == 1 else (item % PER_SLOT) * VHEADS + hg
+                        ih = (item % PER_SLOT) * VHEADS + hg
                         # this v-head's tiles were copied while the previous one computed (and the
                         # item's k and q, between γ and V)
                         arrived(pending_after("γ"))

@@ -82,8 +82,9 @@ KERNELS = [
     ("compose_maps_reverse_dht", compose_maps_kernel, (8, 128, 128, SM90, True, True), ("wgmma", "tma_load", "warpgroup_reg_alloc")),
     # every tile by cp.async, waited for at its first use; dβ stored in β's dtype (bf16 here)
     ("chunk_grads", chunk_grads_kernel, (16, 32, 128, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async_gs")),
-    # an item's v-heads in two parts: each part's dq and dk sums fenced, counted by an atomic, added by the last part
-    ("chunk_grads_parts", chunk_grads_kernel, (2, 8, 128, 128, "bfloat16", SM90, "bfloat16", 2), ("wgmma", "cp_async_gs", "__threadfence", "AtomicAddRet")),
+    # an item's v-heads in two parts: counted by an atomic; the first part's dq and dk sums published by a release
+    # atomic, the second part waiting for them by acquire loads and adding them
+    ("chunk_grads_parts", chunk_grads_kernel, (2, 8, 128, 128, "bfloat16", SM90, "bfloat16", 2), ("wgmma", "cp_async_gs", "AtomicAddRet", "AtomicLoad")),
     # an inference forward at 64 columns: kkt_solve without P (only K Kᵀ on wgmma), the walk with the O path on two
     # warpgroups of its own (registers moved by setmaxnreg; o, Sᵀ and v_newᵀ staged by stmatrix, Vᵀ read by ldmatrix;
     # o stored by TMA)

@@ -371,14 +371,14 @@ def _backward_kernels(
         main.wait_stream(beside)
     dq, dk = buffers.new_like(q), buffers.new_like(k)
     dbeta, dg = buffers.new((T, Hv), dbeta_dtype, q), buffers.new((T, Hv), f32, q)
-    if plan.parts > 1:  # each part's dq and dk sums, and a count of the parts done an item
-        dq_parts, dk_parts = (buffers.new((slots, C, Hqk, plan.parts, K), f32, q) for _ in range(2))
+    if plan.parts > 1:  # the dq and dk sums of an item's first part, and a count an item
+        dq_first, dk_first = (buffers.new((slots, C, Hqk, K), f32, q) for _ in range(2))
         counts = buffers.counters(slots * Hqk, q).view(slots, Hqk)
     else:
-        dq_parts, counts = buffers.no_parts(q.device, C, Hqk, K)
-        dk_parts = dq_parts
+        dq_first, counts = buffers.no_parts(q.device, C, Hqk, K)
+        dk_first = dq_first
     plan.grads(
-        q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, dq_parts, dk_parts, counts, scale, slots,
+        q, k, v, do, dv, A, gamma, h, dh, chunks, dq, dk, dbeta, dg, dq_first, dk_first, counts, scale, slots,
         plan.blocks,
     )  # fmt: skip
 

@@ -48,11 +48,11 @@ def no_bounds(device: torch.device, Hv: int) -> torch.Tensor:
 
 
 def no_parts(device: torch.device, C: int, Hqk: int, K: int) -> tuple:
-    """chunk_grads' dq / dk parts [1, C, Hqk, 1, K] fp32 and counts [1, Hqk] int32 where it walks whole
-    items (PARTS = 1: neither read nor written)."""
+    """chunk_grads' first parts' dq / dk sums [1, C, Hqk, K] fp32 and counts [1, Hqk] int32 where it walks
+    whole items (PARTS = 1: neither read nor written)."""
     key = ("parts", device, C, Hqk, K)
     if key not in _placeholders:
-        parts = torch.empty(1, C, Hqk, 1, K, dtype=torch.float32, device=device)
+        parts = torch.empty(1, C, Hqk, K, dtype=torch.float32, device=device)
         _placeholders[key] = (parts, torch.zeros(1, Hqk, dtype=torch.int32, device=device))
     return _placeholders[key]
 

@@ -63,9 +63,10 @@ Outputs:
                gave, one launch and a [T, Hv] fp32 buffer less; training step 2/8 8x4096 665.6 ->
                663.9 µs, 16/32 1x2048 264.5 -> 260.3; benchmark/NOTES.md v41)
     dg         [T, Hv]       fp32
-    dq_parts, dk_parts [slots, C, Hqk, 2, K] fp32: each part's sums (PARTS = 2; else [1, C, Hqk, 1, K],
-               unused)
-    counts     [slots, Hqk]  int32, zero: an item's parts done (PARTS = 2; else [1, Hqk], unused); left zero
+    dq_first, dk_first [slots, C, Hqk, K] fp32: the sums of an item's part that counts first (PARTS = 2;
+               else [1, C, Hqk, K], unused)
+    counts     [slots, Hqk]  int32, zero: an item's parts arrived and published (PARTS = 2; else [1, Hqk],
+               unused); left zero
 
 Schedule: persistent, one block of `grads_threads` threads (two warpgroups) per SM
 (`blocks`); block b takes the items (chunk slot, qk-head) b, b + blocks, ..., slot-major, so the
@@ -78,12 +79,19 @@ next v-head starts an item), then V, dO and dU. The next item's chunk row (first
 is loaded at the item's start and first read there, so no copy waits for the chunk table.
 In PARTS = 2 parts (flash_qla.ops.backward.grads_parts: where the items are fewer than the SMs, a
 block walking all of an item's v-heads leaves most SMs idle) an item is (chunk slot, qk-head, part),
-the two parts neighbours, each walking half the qk-head's v-heads: it stores its fp32 dq and dk sums
-in dq_parts and dk_parts (every row: whole 8-byte stores and loads, no masks), fences them
-(__threadfence) and counts itself in its item's count (atomicAdd, one thread); the part that
-counts second fences again, adds the other part's sums to its own (two addends: the same bits
-whichever part adds), sets the count back to zero and stores dq and dk. dβ and dg, per v-head,
-are the same arithmetic either way.
+the two parts neighbours, each walking half the qk-head's v-heads. At its end a part counts itself
+in its item's count (one thread's relaxed atomicAdd of 1). The part that counts first stores its
+fp32 dq and dk sums in dq_first and dk_first (every row: whole 8-byte stores, no masks) and, after a
+block barrier, publishes them (one thread's release atomicAdd of 2). The part that counts second
+stores nothing: one thread waits for the count to reach 4 (an acquire load; the first part is
+resident, having counted), then it adds the first's sums to its own (two addends: the same bits
+whichever part adds), sets the count back to zero and stores dq and dk. So the kernel expects every
+count zero at launch (flash_qla.ops.buffers.counters) and leaves it so. dβ and dg, per v-head, are
+the same arithmetic either way. Against both parts storing their sums behind every thread's
+__threadfence and the second adding the other's after one more: chunk_grads 27.5 -> 26.1 µs at 2/8
+1x2048, training step 121.7 -> 120.2 (benchmark/NOTES.md v60). TileLang keeps an atomic add's memory
+order only where the add returns the old value (its non-returning add is relaxed): the publishing
+add returns it, unread.
 Against a block per (chunk, qk-head), which loaded its chunk row, then q and k and its first
 v-head's tiles, and waited for them with nothing to overlap: chunk_grads ~1.36 -> ~1.29 ms at
 16/32 8x4096 (low-level backward 2.193 -> 2.131 ms), 2/8 8x4096 0.598 -> 0.587
@@ -148,7 +156,7 @@ def chunk_grads_kernel(
 ):  # fmt: skip
     """Compile (or load from TileLang's cache) the chunk gradients for one static config; beta_dtype: dβ's
     (flash_qla.ops.forward.beta_kernel_dtype's name); PARTS: the items a (chunk, qk-head) splits into, each
-    walking GROUPS / PARTS of its v-heads (PARTS = 2: dq and dk summed through dq_parts, dk_parts and counts)."""
+    walking GROUPS / PARTS of its v-heads (PARTS = 2: dq and dk summed through dq_first, dk_first and counts)."""
     C = profile.chunk
     GROUPS = Hv // Hqk
     assert PARTS in (1, 2) and GROUPS % PARTS == 0, "whole items, or two of whole v-heads"
@@ -251,8 +259,8 @@ def chunk_grads_kernel(
         dk: T.Tensor([tokens, Hqk, K], dtype),
         dbeta: T.Tensor([tokens, Hv], beta_dtype),
         dg: T.Tensor([tokens, Hv], accum),
-        dq_parts: T.Tensor([part_slots, C, Hqk, PARTS, K], accum),
-        dk_parts: T.Tensor([part_slots, C, Hqk, PARTS, K], accum),
+        dq_first: T.Tensor([part_slots, C, Hqk, K], accum),
+        dk_first: T.Tensor([part_slots, C, Hqk, K], accum),
         counts: T.Tensor([part_slots, Hqk], "int32"),
         scale: T.float32,
         slots: T.int32,
@@ -322,6 +330,8 @@ def chunk_grads_kernel(
             small = T.alloc_var(accum)
             quot = T.alloc_var("int32")
             vk_part = T.alloc_var(accum)
+            if PARTS == 2:
+                published = T.alloc_local([1], "int32")  # the count the first part's publishing add returned (unread)
             tx = T.get_thread_binding()
             lane = tx % 32
 
@@ -521,24 +531,27 @@ def chunk_grads_kernel(
 
                     if PARTS == 1:
                         store_dq_dk(DQ, DK, vn_s, dq, dk, t0, valid, ihk)
-                    else:  # this part's sums; the part that finishes second adds the other's and stores
-                        part = item % PARTS
-                        for i, d in T.Parallel(C, K):  # every row (those past the end unread)
-                            dq_parts[slot, i, ihk, part, d] = DQ[i, d]
-                            dk_parts[slot, i, ihk, part, d] = DK[i, d]
-                        T.call_extern("handle", "__threadfence")  # the sums reach L2 before the count
+                    else:  # the part that counts first publishes its sums; the second adds them and stores
+                        if tx == 0:  # +1 arriving, +2 once the first part's sums are published
+                            done_s[0] = T.atomic_add(counts[slot, ihk], 1, memory_order="relaxed", return_prev=True)
                         T.sync_threads()
-                        if tx == 0:
-                            done_s[0] = T.atomic_add(counts[slot, ihk], 1, return_prev=True)
-                        T.sync_threads()
-                        if done_s[0] == 1:
-                            # the other part's sums from L2 (no SM's L1 holds their lines: each item's rows are its
-                            # own, and L1 starts empty of global data every launch); two addends, so the sum is
-                            # the same bits whichever part adds
-                            T.call_extern("handle", "__threadfence")
+                        if done_s[0] == 0:
+                            for i, d in T.Parallel(C, K):  # every row (those past the end unread)
+                                dq_first[slot, i, ihk, d] = DQ[i, d]
+                                dk_first[slot, i, ihk, d] = DK[i, d]
+                            T.sync_threads()  # every thread's sums stored before thread 0 releases them
+                            if tx == 0:  # returning the count, as TileLang's atomic add keeps the order only then
+                                published[0] = T.atomic_add(counts[slot, ihk], 2, memory_order="release", return_prev=True)
+                        else:
+                            if tx == 0:  # both arrived (2) and the first's sums published (+2)
+                                while T.atomic_load(counts[slot, ihk], memory_order="acquire") < 4:
+                                    T.evaluate(0)
+                            T.sync_threads()
+                            # the first part's sums from L2 (thread 0's acquire invalidated this SM's L1); two
+                            # addends, so the sum is the same bits whichever part adds
                             for i, d in T.Parallel(C, K):
-                                DQ[i, d] += dq_parts[slot, i, ihk, 1 - part, d]
-                                DK[i, d] += dk_parts[slot, i, ihk, 1 - part, d]
+                                DQ[i, d] += dq_first[slot, i, ihk, d]
+                                DK[i, d] += dk_first[slot, i, ihk, d]
                             if tx == 0:  # zero again for the next launch
                                 counts[slot, ihk] = 0
                             store_dq_dk(DQ, DK, vn_s, dq, dk, t0, valid, ihk)

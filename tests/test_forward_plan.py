@@ -237,11 +237,18 @@ def test_backward_walk_beside_the_recompute(seqlens, Hv, expected):
         (32, 4, 16, 1),  # 128 items: one round either way, 4 v-heads or 2 rounds of 2 (a tie: whole items)
         (32, 16, 32, 1),
         (512, 2, 8, 1),  # many rounds: the same v-heads a block either way
+        # 8/32, 16/32 and 16/64 at 32768 tokens: 126 v-heads a block in parts against 128 whole (rounds rounded
+        # up), but an exchange every round
+        (512, 8, 32, 1),
+        (512, 16, 32, 1),
+        (512, 16, 64, 1),
+        (96, 2, 8, 1),  # 2/8 2048x3: 3 rounds of 2 v-heads against 2 of 4, the exchanges more than the 2 saved
         (3, 16, 16, 1),  # one v-head a qk-head: nothing to split
     ],
 )
 def test_chunk_grads_splits_items_only_where_sms_idle(n_chunks, Hqk, Hv, expected):
-    """chunk_grads splits a (chunk, qk-head) item's v-heads into parts where that walks fewer v-heads a block."""
+    """chunk_grads splits a (chunk, qk-head) item's v-heads into parts where that walks fewer v-heads a block, by
+    more than the parts' exchanges cost."""
     assert grads_parts(n_chunks, Hqk, Hv, 132) == expected
 
 

@@ -151,20 +151,36 @@ def beside_widths(walks: int, walk_chunks: int, N: int, chunks: int, Hv: int, V:
 
 # the parts chunk_grads may split a (chunk, qk-head) item into (grads_parts): whole, or two halves of its v-heads
 GRADS_PARTS = (1, 2)
+# what an item's exchange between its parts costs a round of chunk_grads' blocks, in v-heads walked: the first
+# part's fp32 sums stored, the second part's wait for them and their loads. H200, chunk_grads' kernel time
+# (benchmark/NOTES.md v59, v60): ~7 µs at 2/8 1x2048 (one round, its start included) against ~9.5 a v-head (0.74);
+# at full grids in parts against whole, 8/32 1x32768 1116 -> 1366 µs (63 rounds of 2 v-heads against 32 of 4: ~4.4
+# a round, 0.5 of a v-head), 16/32 4096x8 1113 -> 1749 (125 rounds of 1 against 63 of 2: 0.58), 16/64 4096x8 2135 ->
+# 2692 (125 of 2 against 63 of 4: 0.54)
+PARTS_EXCHANGE = 0.75
 
 
 def grads_parts(n_chunks: int, Hqk: int, Hv: int, sms: int) -> int:
     """How many items chunk_grads splits each (chunk, qk-head) into, each walking Hv / Hqk / parts of its
-    v-heads: the least rounds of its persistent blocks x v-heads an item, ties to fewer parts.
+    v-heads: the least rounds of its persistent blocks x (v-heads an item, and PARTS_EXCHANGE where in parts),
+    ties to fewer parts.
 
     One block an SM walks its items' v-heads one after the other, so where the items are fewer than the
     SMs (few qk-heads, short sequences: 2/8 at 2048 tokens has 64 items of 4 v-heads) most SMs idle. In
     two parts, an item's dq and dk are the sum of the parts' (two addends: bitwise reproducible), added
-    by the part that finishes second, through fp32 buffers and a count an item.
+    by the part that counts second, through an fp32 buffer and a count an item. Where the items fill the
+    SMs' rounds anyway (the 32768-token rows of 16/32, 8/32 and 16/64) the parts save at most a round's
+    rounding and pay their exchange every round: training step in parts -> whole, 8/32 1x32768 2878 -> 2620
+    µs, 16/32 4096x8 2986 -> 2366, 16/64 4096x8 5086 -> 4524 (benchmark/NOTES.md v60).
     """
     groups = Hv // Hqk
     options = [p for p in GRADS_PARTS if groups % p == 0]
-    return min(options, key=lambda p: (-(-n_chunks * Hqk * p // sms) * (groups // p), p))
+
+    def cost(p):
+        rounds = -(-n_chunks * Hqk * p // sms)
+        return rounds * (groups // p + (PARTS_EXCHANGE if p > 1 else 0))
+
+    return min(options, key=lambda p: (cost(p), p))
 
 
 def backward_kernels(

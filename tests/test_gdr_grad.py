@@ -209,7 +209,7 @@ def test_backward_is_deterministic():
 @pytest.mark.parametrize("case_id", ["varlen_edges_h0", "gva4_Hv64"])
 def test_chunk_grads_independent_of_block_count(case_id, parts, monkeypatch):
     """Each (chunk, qk-head) item's arithmetic is the same whichever persistent block computes it and
-    whatever that block copied ahead, and with its v-heads in two parts whichever part finishes last (one
+    whatever that block copied ahead, and with its v-heads in two parts whichever part counts first (one
     block walks both of an item's parts): one block, three, and one per SM agree bitwise."""
     patch_planner(monkeypatch, "grads_parts", lambda *args: parts, backward_module)
     case = next(c for c in CASES if c.id == case_id)

@@ -50,7 +50,8 @@ Reads like flash_qla/reference/backward_stages.py:
      validation read; flash_qla.ops.context_parallel.split_backward_walk);
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel; where the (chunk,
-     qk-head) items are fewer than the SMs, each item's v-heads in two halves on two blocks (grads_parts).
+     qk-head) items are fewer than the SMs, each item's v-heads in two halves on two blocks where that
+     saves more than the halves' exchange costs (grads_parts).
 
 What a call decides from its shapes and options alone (the route, the V-tile widths, the kernels) is
 decided once per shapes and options (backward_plan), as the forward's (flash_qla.ops.forward.forward_plan).

@@ -78,7 +78,8 @@ the last time: S, dS', A and γ after the products with the states; at its end k
 next v-head starts an item), then V, dO and dU. The next item's chunk row (first token, tokens)
 is loaded at the item's start and first read there, so no copy waits for the chunk table.
 In PARTS = 2 parts (flash_qla.ops.backward.grads_parts: where the items are fewer than the SMs, a
-block walking all of an item's v-heads leaves most SMs idle) an item is (chunk slot, qk-head, part),
+block walking all of an item's v-heads leaves most SMs idle, and the parts save more than their
+exchange costs) an item is (chunk slot, qk-head, part),
 the two parts neighbours, each walking half the qk-head's v-heads. At its end a part counts itself
 in its item's count (one thread's relaxed atomicAdd of 1). The part that counts first stores its
 fp32 dq and dk sums in dq_first and dk_first (every row: whole 8-byte stores, no masks) and, after a
@@ -297,7 +298,7 @@ def chunk_grads_kernel(
             rb_s = T.alloc_shared([C], accum, scope="shared")  # 1 / β², β read from A's diagonal
             quot_s = T.alloc_shared([1], "int32", scope="shared")  # dβ as the quotient (every valid β ≥ BETA_MIN)
             if PARTS == 2:
-                done_s = T.alloc_shared([1], "int32", scope="shared")  # the item's parts done before this one
+                done_s = T.alloc_shared([1], "int32", scope="shared")  # the item's count as this part came (0: the first)
 
             KS = T.alloc_fragment([C, V], accum)  # K S, then U, then W = U − N v_new
             KD = T.alloc_fragment([C, V], accum)  # K dS', then scale Pᵀ dO − Nᵀ dU

@@ -9,7 +9,8 @@ stage (o, h, and the backward's dv and dS', counted per kernel) and ldmatrix.tra
 backward walk's dO reads (inside its ring tile's wait and release), the narrow walks' state stores
 waited for a chunk later and the narrow backward walk's wait_group 1, stmatrix and a TMA store in the
 O-path walk's o staging (with its warpgroups' registers set by setmaxnreg),
-and chunk_grads' batched reductions (and, in parts, its fenced count); that each block's
+and chunk_grads' batched reductions (and, in parts, its fenced count); that no element-wise arithmetic runs
+in 16 bits; that each block's
 shared memory fits the SM; that no kernel touches global memory before its programmatic-launch
 wait; and that the kernels with large register tiles keep nothing in local
 memory and no wgmma serialised (ptxas, through nvcc).
@@ -136,6 +137,19 @@ def test_kernel_keeps_nothing_in_local_memory_and_wgmma_async(name, tmp_path):
     frames = re.findall(r"(\d+) bytes stack frame", ptxas.stderr)
     assert frames and all(f == "0" for f in frames), re.findall(r"ptxas info.*", ptxas.stderr)
     assert not WGMMA_SERIALISED.search(ptxas.stderr), re.findall(r"ptxas info.*C75.*", ptxas.stderr)
+
+
+# element-wise arithmetic in 16 bits: TileLang multiplies (adds) two bf16 / fp16 operands in their own precision
+HALF_ARITHMETIC = re.compile(r"tl::(?:mul2|fma2|add2)\b|__h(?:mul|fma|add)")
+
+
+@pytest.mark.parametrize("name,factory,args,instructions", KERNELS, ids=[k[0] for k in KERNELS])
+def test_kernel_does_no_16_bit_arithmetic(name, factory, args, instructions):
+    """Every element-wise product and sum runs in fp32; only tensor-core operands (and stored results) are rounded
+    to the input dtype. chunk_grads' ⟨S, dS'⟩ once multiplied its two bf16 tiles uncast, in bf16 (benchmark/NOTES.md
+    v61): every term rounded to 8 bits of mantissa before the fp32 sum."""
+    source = factory(*args).get_kernel_source()
+    assert not HALF_ARITHMETIC.search(source), f"{name}: {HALF_ARITHMETIC.search(source).group(0)} in the source"
 
 
 def stores_h(source: str) -> bool:

@@ -382,14 +382,17 @@ def chunk_grads_kernel(
                                 lane + 32 < valid and T.abs(T.cast(a_s[lane + 32, lane + 32], accum)) < BETA_MIN, 1.0, 0.0
                             )
                             quot_s[0] = T.if_then_else(T.warp_reduce_sum(small) == 0.0, 1, 0)
-                        # 1. products with the states; U, v_new. Under K S and K dS': ⟨S, dS'⟩, summed in
-                        #    fp32, K rows folded onto the C rows of X
+                        # 1. products with the states; U, v_new. Under K S and K dS': ⟨S, dS'⟩, multiplied and
+                        #    summed in fp32, K rows folded onto the C rows of X (the two 16-bit operands' product,
+                        #    uncast, is a bf16 multiply rounding every term: benchmark/NOTES.md v61)
                         T.wgmma_gemm(k_s, s_s, KS, clear_accum=True)
                         T.wgmma_gemm(k_s, ds_s, KD, clear_accum=True)
                         T.clear(X)
                         for b in T.unroll(K // C):
                             for i, j in T.Parallel(C, V):
-                                X[i, j // HALF, j % HALF] += s_s[b * C + i, j] * ds_s[b * C + i, j]
+                                X[i, j // HALF, j % HALF] += (
+                                    T.cast(s_s[b * C + i, j], accum) * T.cast(ds_s[b * C + i, j], accum)
+                                )
                         T.reduce_sum(X, rows, dim=2)
                         T.copy(rows, sd_s)
                         T.wait_wgmma(0)

@@ -148,8 +148,8 @@ def test_kernel_does_no_16_bit_arithmetic(name, factory, args, instructions):
     """Every element-wise product and sum runs in fp32; only tensor-core operands (and stored results) are rounded
     to the input dtype. chunk_grads' ⟨S, dS'⟩ once multiplied its two bf16 tiles uncast, in bf16 (benchmark/NOTES.md
     v61): every term rounded to 8 bits of mantissa before the fp32 sum."""
-    source = factory(*args).get_kernel_source()
-    assert not HALF_ARITHMETIC.search(source), f"{name}: {HALF_ARITHMETIC.search(source).group(0)} in the source"
+    found = HALF_ARITHMETIC.search(factory(*args).get_kernel_source())
+    assert found is None, f"{name}: {found.group(0)} in the source"
 
 
 def stores_h(source: str) -> bool:

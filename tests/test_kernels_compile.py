@@ -9,11 +9,11 @@ stage (o, h, and the backward's dv and dS', counted per kernel) and ldmatrix.tra
 backward walk's dO reads (inside its ring tile's wait and release), the narrow walks' state stores
 waited for a chunk later and the narrow backward walk's wait_group 1, stmatrix and a TMA store in the
 O-path walk's o staging (with its warpgroups' registers set by setmaxnreg),
-and chunk_grads' batched reductions (and, in parts, its fenced count); that no element-wise arithmetic runs
-in 16 bits; that each block's
-shared memory fits the SM; that no kernel touches global memory before its programmatic-launch
-wait; and that the kernels with large register tiles keep nothing in local
-memory and no wgmma serialised (ptxas, through nvcc).
+and chunk_grads' batched reductions (and, in parts, its atomic count, the first part's sums
+published by a release add and awaited by acquire loads); that no element-wise arithmetic runs
+in 16 bits; that each block's shared memory fits the SM; that no kernel touches global memory
+before its programmatic-launch wait; and that the kernels with large register tiles keep nothing
+in local memory and no wgmma serialised (ptxas, through nvcc).
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 """
 

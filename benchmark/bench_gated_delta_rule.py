@@ -9,8 +9,9 @@ What one timed call is, per --mode (q, k, v, g, beta from make_inputs; do, dht r
          inputs not requiring grad.
   train  a training step: the public forward on leaves requiring grad (made once), then
          torch.autograd.grad([o, final_state], [q, k, v, g, beta], [do, dht]); the graph is
-         built afresh and freed by every call, and no .grad accumulates. --keep-states: ours
-         with keep_states=True (the forward keeps the states, the backward recomputes none).
+         built afresh and freed by every call, and no .grad accumulates. Ours with the library's
+         keep_states default (None: the forward keeps the states where they are small, else the
+         backward recomputes them); --keep-states: keep_states=True (kept at any size).
   bwd    the low-level backward alone, from what one untimed low-level forward saved. Ours:
          chunk_gated_delta_rule_bwd(q, k, v, g_cum, beta, A, do, dht, cu_seqlens) after
          g_cum, A, ... = chunk_gated_delta_rule_fwd(...). FLA: fla.ops.gated_delta_rule.chunk's
@@ -117,7 +118,7 @@ def load_fla():
     return api, fla.__version__
 
 
-def implementations(x, cu, fla_api, keep_states=False):
+def implementations(x, cu, fla_api, keep_states=None):
     """{name: (call, saved_backward)} for ours and, when installed, FLA.
 
     call(**inputs) -> (o, final_state) is the public, differentiable function on x's packing cu.
@@ -166,7 +167,7 @@ def make_step(mode, call, saved_backward, x, do, dht):
     return lambda: bwd(do, dht)
 
 
-def bench_config(mode, heads, seqs, fla_api, reps, warmup, keep_states=False):
+def bench_config(mode, heads, seqs, fla_api, reps, warmup, keep_states=None):
     Hqk, Hv = (int(x) for x in heads.split("/"))
     seqlens = parse_seqs(seqs)
     T, K, V = sum(seqlens), 128, 128
@@ -230,7 +231,7 @@ def main():
     ]
     print("\n".join(lines), flush=True)
     for heads, seqs in configs:
-        r = bench_config(args.mode, heads, seqs, fla_api, args.reps, args.warmup, args.keep_states)
+        r = bench_config(args.mode, heads, seqs, fla_api, args.reps, args.warmup, args.keep_states or None)
         ours_k, ours_c = r["ours_kernel"], r["ours_call"]
         fla_k, fla_c = r.get("fla_kernel", float("nan")), r.get("fla_call", float("nan"))
         line = format_line(

@@ -93,7 +93,7 @@ def chunk_gated_delta_rule(
     state_v_first=False,
     auto_cp=True,
     head_first=False,
-    keep_states=False,
+    keep_states=None,
 ):
     """Gated Delta Rule over whole sequences, differentiable.
 
@@ -142,17 +142,22 @@ def chunk_gated_delta_rule(
         The gradients are the same either way, up to rounding where the walks split.
     head_first : bool
         Must be False: [B, H, T, D] inputs are not supported.
-    keep_states : bool
-        With a gradient to compute on the GPU, keep the state at every chunk start from the
-        forward for the backward (in q's dtype, [T / 64 + N, Hv, K, V]: 512 bytes a token and
-        v-head in bf16, 4x the A kept anyway) instead of recomputing them there: memory between
-        the forward and the backward for time. Measured on the H200 (benchmark/NOTES.md v52):
-        a training step at 8/32 over 1 x 32768 tokens 2.642 -> 2.522 ms, 2/8 8 x 4096 0.632 ->
-        0.593, 16/32 1 x 8192 0.771 -> 0.755; what the forward keeps for the backward at 16/32
-        over 8 x 4096 tokens 268 -> 788 MiB, the step's peak unchanged (the backward's
-        recompute allocates the states anyway). The gradients are the recompute's: the forward walks the
-        states with the recompute's arithmetic (bitwise equal in every case tested). Ignored
-        without a gradient to compute and on the PyTorch path.
+    keep_states : bool or None
+        With a gradient to compute on the GPU, whether the forward keeps the state at every chunk
+        start for the backward (in q's dtype, [T / 64 + N, Hv, K, V]: 512 bytes a token and
+        v-head in bf16, 4x the A kept anyway) instead of the backward recomputing them: memory
+        between the forward and the backward for time. None (the default) keeps them where they
+        take at most 256 MiB (flash_qla.ops.forward.KEEP_STATES_MAX_BYTES; in bf16 or fp16 every
+        call of 8192 tokens or fewer at up to 64 v-heads, 32768 at up to 16) and recomputes them
+        beyond, where they add up over a model's layers (16/32 at 32768 tokens: 512 MiB); True
+        keeps them always, False never. Measured on the H200 (benchmark/NOTES.md v52, v63), a
+        training step kept against recomputed: 16/48 over 1 x 2048 tokens 289.7 -> 257.2 µs,
+        16/64 1 x 2048 334.0 -> 305.8, 2/8 8 x 4096 632.7 -> 586.0, 8/32 1 x 32768 2.642 ->
+        2.522 ms; what the forward keeps for the backward at 16/32 over 8 x 4096 tokens 268 ->
+        788 MiB, one call's peak unchanged (the backward's recompute allocates the states
+        anyway). The gradients are the same either way: the forward walks the states with the
+        recompute's arithmetic (bitwise equal in every case tested). Ignored without a gradient
+        to compute and on the PyTorch path.
 
     Returns
     -------

@@ -47,10 +47,10 @@ def _forward(
     them from cu_seqlens: no sync here). auto_cp: the planner may walk long sequences in pieces
     and, when training (a backward will follow), keep state checkpoints for it where they pay.
     keep_states (training, GPU): keep the state at every chunk start for the backward, which then
-    does not recompute them (chunk_terms). scratch (GPU; not with training or output_h): the call
-    returns o and final_state alone, and kkt_solve's outputs live in scratch buffers that the next
-    such call of the same shapes on the stream reuses (flash_qla.ops.buffers.scratch): g_cum and A
-    are then None.
+    does not recompute them (chunk_terms); None: where they are small (flash_qla.ops.forward.keeps_states).
+    scratch (GPU; not with training or output_h): the call returns o and final_state alone, and
+    kkt_solve's outputs live in scratch buffers that the next such call of the same shapes on the
+    stream reuses (flash_qla.ops.buffers.scratch): g_cum and A are then None.
 
     Returns
     -------

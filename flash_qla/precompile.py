@@ -1,11 +1,10 @@
 """Ahead-of-time compilation of every kernel one head layout needs, on any machine.
 
     python -m flash_qla.precompile --arch sm90 --heads 16/32 --dtype bfloat16 [--cache-dir DIR]
-                                   [--forward-only | --keep-states] [--jobs N]
+                                   [--forward-only] [--jobs N]
 
-Every kernel training runs (the forward's, the backward's and the forward walk that keeps
-checkpoints), unless --forward-only (inference: the forward's); with --keep-states also the
-forward walks of chunk_gated_delta_rule(..., keep_states=True).
+Every kernel training runs (the forward's, the backward's, and the forward walks that keep
+checkpoints or every state), unless --forward-only (inference: the forward's).
 Compiles into TileLang's kernel cache (``--cache-dir`` or ``TILELANG_CACHE_DIR``); no GPU
 is needed. At run time the library builds the identical target for the GPU it runs on,
 so a precompiled cache is hit and the first call does not stall on compilation. Run
@@ -41,9 +40,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=parse_heads, action="append", required=True, help="Hqk/Hv, may repeat")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), action="append", help="may repeat (default bfloat16)")
     parser.add_argument("--cache-dir", help="TileLang cache directory (default: TILELANG_CACHE_DIR or TileLang's)")
-    modes = parser.add_mutually_exclusive_group()
-    modes.add_argument("--forward-only", action="store_true", help="only the inference forward's kernels")
-    modes.add_argument("--keep-states", action="store_true", help="also the walks of training with keep_states")
+    parser.add_argument("--forward-only", action="store_true", help="only the inference forward's kernels")
     parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     args = parser.parse_args(argv)
     if args.cache_dir:
@@ -58,9 +55,8 @@ def main(argv=None) -> int:
     for dtype in args.dtype or ["bfloat16"]:
         for hqk, hv in args.heads:
             jobs += forward_kernel_builds(profile, hqk, hv, dtype)
-            if not args.forward_only:
+            if not args.forward_only:  # training, whose keep_states=None keeps every state where they are small
                 jobs += backward_kernel_builds(profile, hqk, hv, dtype)
-            if args.keep_states:
                 jobs += kept_states_kernel_builds(profile, hqk, hv, dtype)
     start = time.time()
     if args.jobs > 1:

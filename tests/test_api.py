@@ -150,16 +150,17 @@ def test_no_final_state_unless_asked_and_auto_cp_changes_nothing():
 
 def test_keep_states_changes_nothing_on_the_pytorch_path():
     """keep_states is a GPU memory-for-time option: on the PyTorch path the outputs and gradients are
-    bitwise those without it."""
+    bitwise those without it, and those of its default (None: the library's choice)."""
     x = VARLEN.inputs()
     results = {}
-    for keep in (False, True):
+    for keep in (False, True, None):
         leaves = {n: x[n].clone().requires_grad_() for n in GRAD_INPUTS}
         o, final_state = api_with_final_state(**{**x, **leaves}, keep_states=keep)
         loss = (o * randn_like(o, seed=4)).sum() + (final_state * randn_like(final_state, seed=5)).sum()
         results[keep] = (o, final_state, *torch.autograd.grad(loss, list(leaves.values())))
-    for got, want in zip(results[True], results[False]):
-        assert torch.equal(got, want)
+    for keep in (True, None):
+        for got, want in zip(results[keep], results[False]):
+            assert torch.equal(got, want)
 
 
 def test_dense_batch_boundaries_are_built_once_and_match_explicit_ones():

@@ -14,6 +14,7 @@ from flash_qla.ops.chunks import (
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
     FORWARD_CHUNK_US,
+    KEEP_STATES_MAX_BYTES,
     RECOMPUTE_CHUNK_US,
     checkpoint_pieces_expected,
     checkpoint_rows,
@@ -21,6 +22,7 @@ from flash_qla.ops.forward import (
     chunk_step_time,
     kernel_unsupported_reason,
     keeps_checkpoints,
+    keeps_states,
     splits_backward,
     splits_forward,
     walk_plan,
@@ -88,6 +90,28 @@ def test_gpu_cases_cover_every_block_v():
 )
 def test_checkpoints_kept_where_pieces_fill_the_gpu(seqlens, Hv, expected):
     assert keeps_checkpoints(seqlens, Hv, 128, SM90) == expected
+
+
+@pytest.mark.parametrize(
+    "keep,training,output_h,T,Hv,dtype,expected",
+    [
+        (None, True, False, 8192, 64, torch.bfloat16, True),  # 256 MiB: the cap itself
+        (None, True, False, 8192 + 64, 64, torch.bfloat16, False),  # a chunk more
+        (None, True, False, 32768, 16, torch.float16, True),
+        (None, True, False, 32768, 32, torch.bfloat16, False),  # 512 MiB: recomputed
+        (None, True, False, 8192, 64, torch.float32, False),  # fp32 states: twice the bytes
+        (None, True, False, 2048, 32, torch.bfloat16, True),
+        (None, False, False, 2048, 32, torch.bfloat16, False),  # no backward to keep them for
+        (None, True, True, 2048, 32, torch.bfloat16, False),  # output_h: the fp32 states are returned instead
+        (True, True, False, 32768, 32, torch.bfloat16, True),  # asked: kept at any size
+        (False, True, False, 2048, 32, torch.bfloat16, False),  # asked not to
+    ],
+)
+def test_states_kept_by_default_where_they_are_small(keep, training, output_h, T, Hv, dtype, expected):
+    """keep_states=None keeps every state of a training forward for its backward where they take at most
+    KEEP_STATES_MAX_BYTES (T / 64 chunks of [Hv, K, V] in q's dtype); True and False are followed as given."""
+    assert KEEP_STATES_MAX_BYTES == 8192 * 64 * 128 * 128 * 2 // 64
+    assert keeps_states(keep, training, output_h, T, Hv, 128, 128, dtype, SM90) == expected
 
 
 @pytest.mark.parametrize(
@@ -394,19 +418,16 @@ def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
     argv = ["--heads", "16/32", "--heads", "4/8", "--dtype", "bfloat16", "--dtype", "float16", "--cache-dir", str(tmp_path)]
     assert precompile_main(argv) == 0
     layouts = [(h, v, d) for d in ("bfloat16", "float16") for h, v in ((16, 32), (4, 8))]
-    assert sorted(built) == sorted((stage, *x) for stage in ("fwd", "bwd") for x in layouts)
+    assert sorted(built) == sorted((stage, *x) for stage in ("fwd", "bwd", "keep") for x in layouts)
     assert os.environ["TILELANG_CACHE_DIR"] == str(tmp_path)
-    assert "8 kernels for sm90" in capsys.readouterr().out
+    assert "12 kernels for sm90" in capsys.readouterr().out
 
     built.clear()
     assert precompile_main(["--heads", "4/8", "--forward-only", "--cache-dir", str(tmp_path)]) == 0
     assert built == [("fwd", 4, 8, "bfloat16")]
 
-    built.clear()
-    assert precompile_main(["--heads", "4/8", "--keep-states", "--cache-dir", str(tmp_path)]) == 0
-    assert built == [("fwd", 4, 8, "bfloat16"), ("bwd", 4, 8, "bfloat16"), ("keep", 4, 8, "bfloat16")]
-    with pytest.raises(SystemExit):  # training's kernels with the kept states' walks, or the forward's alone
-        precompile_main(["--heads", "4/8", "--keep-states", "--forward-only"])
+    with pytest.raises(SystemExit):  # training compiles the kept states' walks anyway (keep_states=None keeps them)
+        precompile_main(["--heads", "4/8", "--keep-states"])
 
 
 def _recording_factory(built):

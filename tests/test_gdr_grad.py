@@ -23,7 +23,10 @@ write fails the check):
   state recompute from the forward's checkpoints, and its walk split into pieces of a sequence.
 - test_kept_states_give_the_recomputed_gradients, test_kept_states_are_saved_only_when_asked:
   keep_states (the forward keeps every state, the backward recomputes none) gives bitwise the
-  gradients of the recompute, and saves the states only when asked.
+  gradients of the recompute, and saves the states only when asked, or by default where they are
+  small (so the table above runs its short cases with kept states, the long ones recomputed; the
+  recompute of short ones is checked bitwise against the kept states here, and against the
+  reference through the low-level backward, which always recomputes).
 - test_gradients_of_one_output: a loss of o alone (the backward gets dht None, not a filled zero
   tensor) or of final_state alone, against the reference.
 - test_cuda_graph_replays_the_eager_results: a training step (whole, and with the split forced),
@@ -312,7 +315,8 @@ def test_checkpointed_recompute_is_exact(case, poisoned, monkeypatch):
     for keep in (True, False):
         walked_pieces.clear()
         patch_planner(monkeypatch, "keeps_checkpoints", lambda *args, keep=keep: keep)
-        grads[keep] = _grads(flash_qla_gdr, inputs, do, dht, cu_seqlens=cu)
+        # keep_states=False: kept by default at this size (keeps_states), every state leaves no checkpoints to keep
+        grads[keep] = _grads(flash_qla_gdr, inputs, do, dht, cu_seqlens=cu, keep_states=False)
         assert len(walked_pieces) == int(keep), "the backward walks pieces exactly when the forward kept checkpoints"
     for name, got in grads[True].items():
         assert torch.isfinite(got).all(), f"{name} has unwritten (NaN) or non-finite elements"
@@ -354,20 +358,27 @@ def test_kept_states_give_the_recomputed_gradients(case, auto_cp, poisoned, monk
         assert torch.equal(got, grads[False][name]), (name, rel_l2(got, grads[False][name]))
 
 
-def test_kept_states_are_saved_only_when_asked():
+@pytest.mark.parametrize(
+    "keep,max_bytes,kept",
+    [(False, None, False), (True, None, True), (None, None, True), (None, 2**20, False)],
+    ids=["off", "on", "default_small", "default_above_the_cap"],
+)
+def test_kept_states_are_saved_only_when_asked(keep, max_bytes, kept, monkeypatch):
     """The states ([chunk slots, Hv, K, V] in q's dtype) are among the autograd node's saved tensors
-    exactly with keep_states; checkpoints are not kept beside them."""
+    exactly with keep_states, or by default (None) where they take at most KEEP_STATES_MAX_BYTES (32 MiB
+    here: kept; with the cap at 1 MiB, not); checkpoints are not kept beside them."""
+    if max_bytes is not None:
+        monkeypatch.setattr(forward_module, "KEEP_STATES_MAX_BYTES", max_bytes)
     case = Case("keep_saved", (5000, 3000), heads=(2, 8))
     x, cu, _ = case_inputs(case, seed=12)
     slots = sum(case.seqlens) // 64 + len(case.seqlens)
-    for keep in (False, True):
-        leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
-        o, _ = flash_qla_gdr(**leaves, cu_seqlens=cu, keep_states=keep)
-        saved = [t for t in o.grad_fn.saved_tensors if t is not None]
-        states = [t for t in saved if t.shape == (slots, 8, 128, 128)]
-        assert len(states) == int(keep) and all(t.dtype == x["q"].dtype for t in states)
-        if keep:
-            assert not any(t.dtype == torch.float32 and t.shape[1:] == (8, 128, 128) for t in saved), "checkpoints"
+    leaves = {name: t.detach().clone().requires_grad_() for name, t in x.items()}
+    o, _ = flash_qla_gdr(**leaves, cu_seqlens=cu, keep_states=keep)
+    saved = [t for t in o.grad_fn.saved_tensors if t is not None]
+    states = [t for t in saved if t.shape == (slots, 8, 128, 128)]
+    assert len(states) == int(kept) and all(t.dtype == x["q"].dtype for t in states)
+    if kept:
+        assert not any(t.dtype == torch.float32 and t.shape[1:] == (8, 128, 128) for t in saved), "checkpoints"
 
 
 SPLIT_BACKWARD_CASES = [  # (case, pass dht, the split forced: else the planner's own)

@@ -507,7 +507,7 @@ def test_precompile_lists_every_backward_kernel():
 
 
 def test_precompile_lists_the_kept_states_walks():
-    """--keep-states adds the forward walks that keep every state (each width, with and without h0)."""
+    """Training's precompile adds the forward walks that keep every state (each width, with and without h0)."""
     builds = kept_states_kernel_builds(SM90, 16, 32, "bfloat16")
     assert len(builds) == len(set(builds)) == len(BLOCK_V_CHOICES) * 2
     others = forward_kernel_builds(SM90, 16, 32, "bfloat16") + backward_kernel_builds(SM90, 16, 32, "bfloat16")

@@ -19,11 +19,14 @@ Reads like flash_qla/reference/backward_stages.py:
      ~0.15 and ~0.12, estimated; both walks then stored h element by element from
      registers), where the recompute takes 0.29 and 0.30 ms (v13, its h stores staged
      through shared memory: 0.35 and 0.36 before): keeping them would save ~0.2 ms of a
-     3.0-3.7 ms training step for 4x A's memory. Memory wins at the lengths training runs, so
-     recomputing is the default; chunk_gated_delta_rule(..., keep_states=True) makes the other
-     choice: the training forward walk stores them in the input dtype, staged as the
-     recompute stores them, and this step is skipped (`chunk_terms`' states). Measured (v22):
-     training step 16/32 8x4096 2.568 -> 2.449 ms, 1x32768 3.342 -> 3.167, 2/8 8x4096 0.715
+     3.0-3.7 ms training step for 4x A's memory. Where the states are large (long sequences, many
+     heads) memory wins, so recomputing is the default there; where they take at most
+     flash_qla.ops.forward.KEEP_STATES_MAX_BYTES (256 MiB) a training forward keeps them by
+     default (keep_states=None; True and False force either choice): the training forward walk
+     stores them in the input dtype, staged as the recompute stores them, and this step is
+     skipped (`chunk_terms`' states); training step 16/48 1x2048 289.7 -> 257.2 µs, 16/64 1024x8
+     1196.8 -> 1111.8, 2/8 4096x8 632.7 -> 586.0, gradients bitwise equal (benchmark/NOTES.md v63).
+     Measured (v22): training step 16/32 8x4096 2.568 -> 2.449 ms, 1x32768 3.342 -> 3.167, 2/8 8x4096 0.715
      -> 0.653, gradients bitwise equal; the forward keeps 520 MiB more at 16/32 8x4096.
      Where a training forward kept checkpoints (the state every
      profile.checkpoint_chunks chunks in fp32, 1/16 of h's bytes in bf16;

@@ -11,7 +11,8 @@ sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.c
 What a call decides from its shapes and options alone (the route, the V-tile width, the kernels)
 is decided once per shapes and options (forward_plan): the layers of a model step repeat them. A
 training forward may keep state checkpoints for the backward's recompute (keeps_checkpoints,
-flash_qla.ops.backward) or, asked to (keep_states), every state, so that the backward recomputes none.
+flash_qla.ops.backward) or every state, so that the backward recomputes none: where they are small
+(keeps_states) or asked to (keep_states).
 """
 
 from __future__ import annotations
@@ -310,6 +311,28 @@ def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
     return beta.dtype if beta.dtype == q.dtype else torch.float32
 
 
+# A training forward keeps every state for its backward by default (keep_states=None) where they take at most this many
+# bytes (T / 64 · Hv · K · V in q's dtype: 512 bytes a token and v-head in bf16 at K = V = 128; the buffer has a slot
+# per sequence more), so that the backward recomputes none; beyond it the backward recomputes them, and what a layer
+# holds from its forward to its backward stays A and P (a quarter of the states' bytes each) with the checkpoints.
+# 256 MiB: every call of DESIGN.md §4 over 8192 tokens or fewer, and those over 32768 at up to 16 v-heads. H200,
+# training step, recomputed -> kept, one process, interleaved, gradients bitwise equal (benchmark/NOTES.md v63):
+# 1x2048 -0.9 to -11.2 % over the nine layouts (16/48 289.7 -> 257.2 µs, 16/64 334.0 -> 305.8, 16/16 157.4 ->
+# 146.2), 1024x8 -4.9 to -7.8 % (16/64, at the cap: 1196.8 -> 1111.8), 1x4096 -2.8 to -10.4 %, 1x8192 -8.0 to +0.7 %
+# (+0.6-0.7 % at 4/16 and 16/16), 2/8 4096x8 632.7 -> 586.0, 16/16 8192x4 1329.4 -> 1238.9; above it, 32/32 4096x8
+# (512 MiB) 2542.5 -> 2404.8 would gain too, for twice the memory.
+KEEP_STATES_MAX_BYTES = 256 * 2**20
+
+
+def keeps_states(keep_states, training: bool, output_h: bool, T: int, Hv: int, K: int, V: int, dtype, profile):
+    """Whether a forward keeps every state for its backward: keep_states when given (True or False; True is for a
+    training forward), else (None) where it is a training forward (without output_h) whose states take at most
+    KEEP_STATES_MAX_BYTES."""
+    if keep_states is not None:
+        return keep_states
+    return training and not output_h and T * Hv * K * V * dtype.itemsize // profile.chunk <= KEEP_STATES_MAX_BYTES
+
+
 def forward_kernels(
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training,
     keep_states=False, scratch=False,
@@ -381,10 +404,11 @@ def _forward_kernels(
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp, training,
     keep_states, scratch,
 ):  # fmt: skip
-    assert not (keep_states and (output_h or not training)), "states are kept for a training backward"
-    assert not (scratch and (output_h or training)), "scratch holds what this call alone uses"
     _, T, Hqk, K = q.shape
     Hv, V = v.shape[2:]
+    keep_states = keeps_states(keep_states, training, output_h, T, Hv, K, V, q.dtype, get_profile(q.device))
+    assert not (keep_states and (output_h or not training)), "states are kept for a training backward"
+    assert not (scratch and (output_h or training)), "scratch holds what this call alone uses"
     beta_dtype = beta_kernel_dtype(beta, q)
     h0 = initial_state
     plan = forward_plan(

@@ -204,12 +204,12 @@ def main():
     parser.add_argument("--seqs", action="append", help="e.g. 1x32768, 4096x8, 28672+4096; may repeat")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out", help="also write the table here, under the command, versions, GPU, mode")
-    parser.add_argument("--append", action="store_true", help="train/bwd modes: add to --out, not overwrite")
+    parser.add_argument("--out", help="also write the table here (overwritten), under the command, versions, GPU, mode")
+    parser.add_argument("--append", action="store_true", help="add the table at the end of --out, not overwrite it")
     parser.add_argument("--keep-states", action="store_true", help="train mode: ours with keep_states=True")
     args = parser.parse_args()
-    if args.append and (args.mode == "fwd" or not args.out):
-        parser.error("--append needs --out and --mode train or bwd")
+    if args.append and not args.out:
+        parser.error("--append needs --out")
     if args.keep_states and args.mode != "train":
         parser.error("--keep-states needs --mode train")
 

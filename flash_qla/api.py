@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from flash_qla.autograd import ChunkGatedDeltaRuleFunction
 from flash_qla.dispatch import _backward, _forward
+from flash_qla.tensor_cache import cache_last
 from flash_qla.validation import check_backward_inputs, check_inputs, check_options
 
 
@@ -35,7 +36,14 @@ def _packed_cu_seqlens(cu_seqlens, q):
         if q.is_cuda and torch.cuda.is_current_stream_capturing():  # a cached tensor would hold no values yet
             return _dense_cu_seqlens.__wrapped__(B, T, q.device)
         return _dense_cu_seqlens(B, T, q.device)
-    return cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    return cu_seqlens if cu_seqlens.dtype == torch.int32 else _as_int32(cu_seqlens)
+
+
+@cache_last(device_result=True)
+def _as_int32(cu_seqlens):
+    """int64 boundaries (FLA passes its own) as int32, converted once per tensor: the layers of a step then
+    share the converted tensor, and with it the chunk tables derived from it (flash_qla.ops.chunks)."""
+    return cu_seqlens.to(torch.int32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -43,9 +51,11 @@ def _dense_cu_seqlens(B, T, device):
     """[0, T, 2T, ..., BT] int32, built once per (B, T, device).
 
     The layers of a step and the steps of a run share it, and with it the chunk table derived
-    from it (flash_qla.ops.chunks). Nothing writes to it.
+    from it (flash_qla.ops.chunks). Nothing writes to it. Built as a normal tensor even under
+    torch.inference_mode: a later call with a gradient saves it for the backward.
     """
-    return torch.arange(B + 1, dtype=torch.int32, device=device) * T
+    with torch.inference_mode(False):
+        return torch.arange(B + 1, dtype=torch.int32, device=device) * T
 
 
 def _state_in(state, state_v_first, q):
@@ -126,7 +136,8 @@ def chunk_gated_delta_rule(
         States are laid out [N, Hv, V, K] instead of [N, Hv, K, V].
     auto_cp : bool
         Let the planner split long sequences where that pays (GPU only). The forward walks
-        long sequences over few heads (one sequence of 8192 tokens or more at up to 32 v-heads,
+        long sequences over few heads (one sequence of about 8192 tokens or more at up to 32
+        v-heads where its model says the pieces fill the GPU better, flash_qla.ops.forward.splits_forward,
         or a few such sequences over few heads; with a gradient to compute also where only its
         backward gains, e.g. 16/32 at one sequence of 12288) in pieces of 32 chunks that run in
         parallel, each from its exact start state
@@ -284,9 +295,10 @@ def chunk_gated_delta_rule_bwd(
         Gradient of final_state; None counts as zero.
     auto_cp : bool
         The backward walk of long sequences over few heads runs in pieces where forming the
-        pieces' maps here pays, a narrower margin than chunk_gated_delta_rule_fwd's (2/8 from
-        9000 tokens, 4/16 from 16384; the same gradients within rounding; the lengths are those
-        validation read from cu_seqlens: no second sync).
+        pieces' maps here pays, a narrower margin than chunk_gated_delta_rule_fwd's (one sequence:
+        2/8 from ~8800 tokens, 4/16 at 12928-16384 and 25408-32768 tokens and beyond, 16/32 never;
+        flash_qla.ops.forward.splits_backward; the same gradients within rounding; the lengths are
+        those validation read from cu_seqlens: no second sync).
 
     Returns
     -------

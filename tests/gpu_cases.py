@@ -12,6 +12,10 @@ import torch.nn.functional as F
 from flash_qla.reference.backward_stages import BETA_MIN
 from flash_qla.reference.inputs import make_inputs
 
+# o and final_state against the fp32 reference, relative L2: bf16/fp16 operands of every tensor-core
+# product (A, S, v_new, P rounded once per chunk) land between 1e-3 and 3e-3; the bar is 5e-3.
+FWD_TOL = 5e-3
+
 
 @dataclass(frozen=True)
 class Case:
@@ -81,8 +85,10 @@ CASES = [
     Case("gva8_Hv64", (2000,), heads=(8, 64)),
     Case("fp16_dense_B2", (), dense=(2, 1000), dtype=torch.float16, h0=True),
     Case("fp16_varlen_edges", (0, 1, 63, 64, 65, 129), heads=(4, 8), dtype=torch.float16),
-    # 8 sequences x 32 heads: V-tiles of 128 (fused_fwd_wide) where h is kept or asked for; o alone takes the O path
-    Case("fp16_varlen_wide_h0", (0, 1, 63, 64, 65, 700, 129, 1000), dtype=torch.float16, h0=True),
+    # 11 sequences x 32 heads: V-tiles of 128 (fused_fwd_wide) where h is kept or asked for; o alone takes the O path
+    Case("fp16_varlen_wide_h0", (0, 1, 63, 64, 65) + (1000,) * 6, dtype=torch.float16, h0=True),
+    # one sequence over 8 heads: V-tiles of 16 (fused_fwd, fused_bwd) in every mode
+    Case("fp16_narrow_h0", (2048,), heads=(2, 8), dtype=torch.float16, h0=True),
     Case("scale_0.3", (300,), heads=(4, 8), extra={"scale": 0.3}),
     Case("state_v_first", (200, 100), heads=(4, 8), h0=True, extra={"state_v_first": True}),
     Case("qk_l2norm", (260,), heads=(4, 8), extra={"use_qk_l2norm_in_kernel": True}),

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_qla import chunk_gated_delta_rule, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
-from flash_qla.api import _packed_cu_seqlens
+from flash_qla.api import _dense_cu_seqlens, _packed_cu_seqlens
 from flash_qla.reference import CHUNK_SIZE, naive_recurrent_gated_delta_rule
 from helpers import CASES, FP64_REL, Case, chunk_bounds, randn_like, rel_err
 
@@ -175,6 +175,18 @@ def test_dense_batch_boundaries_are_built_once_and_match_explicit_ones():
     assert torch.equal(o, o_packed.view_as(o)) and torch.equal(final_state, final_packed)
 
 
+def test_int64_boundaries_are_converted_once_per_tensor():
+    """FLA passes int64 cu_seqlens: the layers of a step sharing one get the same int32 tensor (and so the
+    chunk tables built from it once); an in-place edit is converted again."""
+    x = VARLEN.inputs()
+    cu = x["cu_seqlens"].long()
+    first = _packed_cu_seqlens(cu, x["q"])
+    assert _packed_cu_seqlens(cu, x["q"]) is first and first.dtype == torch.int32
+    assert first.tolist() == cu.tolist()
+    cu[1] += 1
+    assert _packed_cu_seqlens(cu, x["q"]).tolist() == cu.tolist()
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "grad_disabled"])
 def test_inference_calls_skip_autograd_and_match(mode):
     """Without a tensor to differentiate the call builds no autograd node; its outputs are the same."""
@@ -189,6 +201,29 @@ def test_inference_calls_skip_autograd_and_match(mode):
             o, final_state = chunk_gated_delta_rule(**{**x, **leaves}, output_final_state=True)
     assert o.grad_fn is None and final_state.grad_fn is None
     assert torch.equal(o, o_grad.detach()) and torch.equal(final_state, final_grad.detach())
+
+
+@pytest.mark.parametrize("layout", ["varlen_int32", "varlen_int64", "dense"])
+def test_inference_mode_calls_match_and_leave_training_working(layout):
+    """Under torch.inference_mode (serving) a call gives the no_grad call's outputs, whether cu_seqlens is
+    made there (no version counter to cache its checks and tables on) or absent (a dense batch, whose
+    boundaries are built once); a later call with a gradient to compute, the same shapes, still runs
+    its backward (nothing made under inference_mode is saved for it)."""
+    x = VARLEN.inputs() if layout != "dense" else Case("dense", B=2, T=70, Hqk=1, Hv=2).inputs()
+    cu = x.pop("cu_seqlens")
+    _dense_cu_seqlens.cache_clear()  # the dense boundaries first built under inference_mode
+    with torch.inference_mode():
+        cu_inference = None
+        if cu is not None:
+            cu_inference = torch.tensor(cu.tolist(), dtype=torch.int64 if layout == "varlen_int64" else torch.int32)
+        got = chunk_gated_delta_rule(**x, cu_seqlens=cu_inference, output_final_state=True)
+    with torch.no_grad():
+        want = chunk_gated_delta_rule(**x, cu_seqlens=cu, output_final_state=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    q = x["q"].clone().requires_grad_()
+    o, _ = chunk_gated_delta_rule(**{**x, "q": q}, cu_seqlens=cu)
+    o.sum().backward()
+    assert torch.isfinite(q.grad).all()
 
 
 def test_release_scratch_empties_the_kept_buffers(monkeypatch):
@@ -296,12 +331,12 @@ def test_bwd_dtypes_and_optional_states(dtype):
     assert (dq.dtype, dk.dtype, dv.dtype, dbeta.dtype) == (dtype,) * 4
     assert dg.dtype == dh0.dtype == torch.float32
 
-    # dht=None counts as zero; without initial_state there is no dh0.
+    # dht=None counts as zero (bitwise); without initial_state there is no dh0.
     with_zero_dht = chunk_gated_delta_rule_bwd(
         *args, torch.zeros_like(final_state), initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"]
     )
     for got, want in zip((dq, dk, dv, dbeta, dg, dh0), with_zero_dht):
-        torch.testing.assert_close(got, want)
+        assert torch.equal(got, want)
     assert chunk_gated_delta_rule_bwd(*args, cu_seqlens=x["cu_seqlens"])[-1] is None
 
 

@@ -63,15 +63,6 @@ def test_block_v_least_walk_time(n_seqs, Hv, expected):
     assert choose_block_v(n_seqs, Hv, 128, SM90) == expected
 
 
-def test_gpu_cases_cover_every_block_v():
-    """The GPU case table runs the forward walk (and its backward recompute) at every V-tile width."""
-    chosen = set()
-    for case in CASES:
-        n_seqs = case.dense[0] if case.dense else len(case.seqlens)
-        chosen.add(choose_block_v(n_seqs, case.heads[1], 128, SM90))
-    assert chosen == set(BLOCK_V_CHOICES)
-
-
 @pytest.mark.parametrize(
     "seqlens,Hv,expected",
     [
@@ -373,6 +364,58 @@ def test_chunk_offsets_recomputed_after_in_place_edit():
     assert chunk_offsets_of(cu, SM90.chunk).tolist() == [0, 1, 4]
 
 
+# the forward routes the GPU case table must run, per dtype and mode: a V-tile width, the O path, the split
+WALKS_COVERED = {
+    (torch.bfloat16, "inference"): {"split", "opath", 16},
+    (torch.bfloat16, "output_h"): {"split", 16, 32, 64, 128},
+    (torch.bfloat16, "training"): {"split", 16, 32, 64, 128},
+    (torch.float16, "inference"): {"opath", 16},
+    (torch.float16, "output_h"): {16, 32, 64, 128},
+    (torch.float16, "training"): {16, 32, 64, 128},
+}
+
+
+@pytest.mark.parametrize("dtype,mode", WALKS_COVERED, ids=lambda x: str(x).removeprefix("torch."))
+def test_gpu_cases_reach_every_forward_walk(dtype, mode):
+    """The GPU case table (tests/gpu_cases.py) runs each forward route the planner can take, per dtype and
+    mode, as walk_plan decides today: a planner change that moves a case off the walk it was written for
+    fails here, without a GPU."""
+    reached = set()
+    for case in CASES:
+        if case.dtype != dtype:
+            continue
+        seqlens = (case.dense[1],) * case.dense[0] if case.dense else case.seqlens
+        split, BV, opath = walk_plan(seqlens, case.heads[1], 128, SM90, True, mode == "training", mode == "output_h")
+        reached.add("split" if split else "opath" if opath else BV)
+    assert WALKS_COVERED[dtype, mode] <= reached, reached
+
+
+def test_chunk_tables_are_not_cached_for_a_captured_graph(monkeypatch):
+    """While a CUDA graph is captured the tables are built afresh (from the graph's memory pool, alive as
+    long as the graph is) and not cached: a graph holding the cached ones would read freed memory once a
+    call with another cu_seqlens replaced them. Capture simulated (no GPU here)."""
+    from flash_qla import tensor_cache
+
+    C = SM90.chunk
+    cu = torch.tensor([0, 64, 200], dtype=torch.int32)
+    eager = chunk_table(cu, C, 5)
+    monkeypatch.setattr(tensor_cache, "_capturing", lambda tensor: True)
+    captured = chunk_table(cu, C, 5)
+    assert captured is not eager and torch.equal(captured, eager)
+    monkeypatch.undo()
+    assert chunk_table(cu, C, 5) is eager  # the eager entry stayed
+
+
+def test_chunk_tables_of_an_inference_tensor():
+    """A cu_seqlens made under torch.inference_mode has no version counter to key the cache on: its tables
+    are built on every call, the same ones."""
+    with torch.inference_mode():
+        cu = torch.tensor([0, 64, 200], dtype=torch.int32)
+        first = chunk_table(cu, SM90.chunk, 5)
+        assert chunk_table(cu, SM90.chunk, 5) is not first
+    assert torch.equal(chunk_table(cu, SM90.chunk, 5), first)
+
+
 def test_cpu_device_is_not_a_kernel_device():
     assert "CUDA device" in unsupported_reason(torch.device("cpu"))
 
@@ -525,6 +568,17 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
     short = plan((2048,), 8)  # 2/8 at 2048 tokens: 64 items of 4 v-heads in two parts of 2
     assert short.grads == "launch chunk_grads bfloat16 2" and short.parts == 2
     assert short.blocks == short.slots * 2 * 2 == 132  # the slots' bound: 33 slots (the last empty) x 2 qk-heads x 2
+
+
+@pytest.mark.parametrize(
+    "n_seqs,Hv,BV,waves",
+    [(1, 8, 16, 1), (1, 32, 16, 2), (8, 32, 128, 2), (8, 32, 64, 4), (4, 33, 128, 1), (1, 132, 128, 1), (1, 133, 128, 2)],
+)
+def test_chunk_step_time_is_waves_times_a_chunk(n_seqs, Hv, BV, waves):
+    """Blocks (sequences x heads x V-tiles) over 132 SMs, rounded up to whole waves, times the µs of a chunk
+    at that width (the waves counted by hand)."""
+    cost = {128: 2.0, 64: 1.5, 32: 1.25, 16: 1.0}
+    assert chunk_step_time(n_seqs, Hv, 128, BV, SM90, cost) == waves * cost[BV]
 
 
 @pytest.mark.parametrize("Hv", [8, 16, 32, 48, 64])

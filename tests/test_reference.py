@@ -15,6 +15,9 @@ from flash_qla.reference import (
 from flash_qla.reference.backward_stages import BETA_MIN, chunk_gated_delta_rule_bwd_stages
 from helpers import CASES, Case, FP64_REL, chunk_bounds, cu_seqlens_of, randn_like, rel_err
 
+# make_inputs' k: unit rows in float32 rounded to bf16 (2^-9 relative an element): the norm moves by a few 1e-3
+BF16_UNIT_NORM_TOL = 1e-2
+
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_chunked_forward_matches_naive(case):
@@ -115,7 +118,7 @@ def test_make_inputs_look_like_a_model(strong_decay):
     x = make_inputs(2, 50, 2, 4, 16, 32, torch.bfloat16, strong_decay=strong_decay)
     assert x["q"].dtype == x["k"].dtype == x["v"].dtype == x["beta"].dtype == torch.bfloat16
     assert x["g"].dtype == torch.float32
-    torch.testing.assert_close(x["k"].float().norm(dim=-1), torch.ones(2, 50, 2), atol=1e-2, rtol=0)
+    torch.testing.assert_close(x["k"].float().norm(dim=-1), torch.ones(2, 50, 2), atol=BF16_UNIT_NORM_TOL, rtol=0)
     assert ((x["beta"] > 0) & (x["beta"] < 1)).all()
     assert (x["g"] < 0).all()
     assert (x["g"].median() < -1) == strong_decay

@@ -1,4 +1,4 @@
-"""Backward orchestration on the GPU: four kernels, no host synchronisation.
+"""Backward orchestration on the GPU: four stages, no host synchronisation.
 
 Reads like flash_qla/reference/backward_stages.py:
   1. kkt_solve (backward mode): P = Q Kᵀ ⊙ Γ ⊙ Lower and chunk-major γ (and its

@@ -12,14 +12,14 @@ import torch
 from flash_qla.tensor_cache import cache_last
 
 
-@cache_last
+@cache_last(device_result=True)
 def chunk_offsets_of(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
     """[N+1] int32: index of each sequence's first chunk among all chunks (the walks' table)."""
     n_chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
     return torch.nn.functional.pad(torch.cumsum(n_chunks, 0), (1, 0)).to(torch.int32)
 
 
-@cache_last
+@cache_last(device_result=True)
 def chunk_table(cu_seqlens: torch.Tensor, chunk: int, slots: int) -> torch.Tensor:
     """[slots, 2] int32: (first token, tokens) of every global chunk; (_, 0) for slots past the last.
 
@@ -36,7 +36,7 @@ def chunk_table(cu_seqlens: torch.Tensor, chunk: int, slots: int) -> torch.Tenso
     return torch.stack((start, tokens), dim=1).to(torch.int32)
 
 
-@cache_last
+@cache_last(device_result=True)
 def checkpoint_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int):
     """The pieces the backward's state recompute walks from a forward's checkpoints.
 
@@ -66,7 +66,7 @@ def checkpoint_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: i
     return bounds, first_chunks[: n_pieces + 1], rows[:n_pieces]
 
 
-@cache_last
+@cache_last(device_result=True)
 def first_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int) -> torch.Tensor:
     """[N + 1] int32: the index of each sequence's first piece of checkpoint_pieces (a zero-length
     sequence has none: the next index), the number of non-empty pieces last. On the device, no sync."""
@@ -76,7 +76,7 @@ def first_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int) -
     return torch.searchsorted(bounds[:-1], cu_seqlens, out_int32=True)
 
 
-@cache_last
+@cache_last(device_result=True)
 def sequence_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int):
     """(first, last) [N] int32: the index of each sequence's first and last piece of checkpoint_pieces,
     to gather per-sequence states from per-piece ones (a zero-length sequence has none: an index in

@@ -91,7 +91,8 @@ def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log
     and the placeholder stand in); log_norms: kkt_solve's (no D written where M is negligible; zeros: every chunk walked).
     beside: a stream to walk on, forked here from the current one (which must wait for it before
     anything reads D: split_walk's maps_beside); every tensor the walk reads outlives that wait (the
-    caller's, or cached)."""
+    caller's, or cached) but the pieces' tables where they are not cached (a cu_seqlens made under
+    inference_mode, a CUDA graph's capture: flash_qla.tensor_cache), which are marked used on beside."""
     _, Hv, V = v.shape
     K = q.shape[-1]
     assert K == V, "the transition M is walked as a state"
@@ -100,6 +101,9 @@ def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log
     D = buffers.new((bounds.numel() - 1, Hv, K, 2 * K), torch.bfloat16, v)
     with contextlib.nullcontext() if beside is None else fork(beside, v.device):
         maps(q, k, v, maps_gate, A, P, bounds, firsts, log_norms, placeholder, v, D, placeholder, scale)
+    if beside is not None:  # their blocks are not reused before the walk on beside is done
+        bounds.record_stream(beside)
+        firsts.record_stream(beside)
     return D
 
 
@@ -142,7 +146,8 @@ def split_walk(
     their gate inputs (flash_qla.ops.forward.walk_gate); D: the pieces' maps (maps_of_pieces,
     at offsets' width); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as the forward walk
     takes them; cu_seqlens [N + 1] and the lengths it holds (host ints); initial_state
-    [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] float32 or None; log_norms: kkt_solve's;
+    [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] or None (float32 for output_h, q's dtype with
+    keep_states: the walk's STORE_H / KEEP_H); log_norms: kkt_solve's;
     maps_beside: the stream maps_of_pieces walked D on (its beside), which compose_maps waits for;
     None when D was walked on the current stream.
 

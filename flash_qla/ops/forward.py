@@ -241,7 +241,8 @@ def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: boo
 
 def splits_backward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     """Whether a backward handed no forward's maps (the low-level backward) walks in pieces, forming the maps itself:
-    split_ratio at most BACKWARD_SPLIT_GAIN (2/8 from 9000 tokens, 4/16 from 16384; 16/32 stays whole)."""
+    split_ratio at most BACKWARD_SPLIT_GAIN (one sequence: 2/8 from 8768 tokens, 4/16 at 12928-16384 and
+    25408-32768 tokens and beyond, where the pieces fill their waves; 16/32 never)."""
     return split_ratio(seqlens, Hv, V, profile) <= BACKWARD_SPLIT_GAIN
 
 

@@ -1,4 +1,4 @@
-"""Stores of the transposed walks' register tiles: [BV, C] outputs (o; dv_new and dv) and
+"""Stores of the transposed walks' register tiles: [BV, C] outputs (o; dv) and
 the [BV, K] state (h; dh); and fused_fwd_opath's copies between register tiles and shared memory
 by stmatrix / ldmatrix: `stage_rows` (a tile in its own orientation: o, Sᵀ, v_newᵀ) and
 `load_transposed` (Vᵀ as a product's A operand).

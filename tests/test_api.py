@@ -226,6 +226,27 @@ def test_inference_mode_calls_match_and_leave_training_working(layout):
     assert torch.isfinite(q.grad).all()
 
 
+def test_scratch_of_ended_threads_is_dropped(monkeypatch):
+    """Scratch is kept per device, stream and thread; a thread's goes once the thread has ended, when the
+    next buffers are kept (a server's thread per request keeps nothing after its request). Streams
+    simulated on CPU tensors."""
+    import threading
+
+    from flash_qla.ops import buffers
+
+    monkeypatch.setattr(buffers, "_scratch", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    like = torch.empty(1)
+    thread = threading.Thread(target=lambda: buffers.scratch(((((4,), torch.float32)),), like))
+    thread.start()
+    thread.join()
+    assert [key[2] for key in buffers._scratch] == [thread.ident]
+    kept = buffers.scratch(((((8,), torch.float32)),), like)
+    assert [key[2] for key in buffers._scratch] == [threading.get_ident()]
+    assert buffers.scratch(((((8,), torch.float32)),), like) is kept
+
+
 def test_release_scratch_empties_the_kept_buffers(monkeypatch):
     """flash_qla.release_scratch() drops every kept scratch buffer (their use: tests/test_gdr_unit.py)."""
     import flash_qla

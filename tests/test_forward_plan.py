@@ -390,20 +390,27 @@ def test_gpu_cases_reach_every_forward_walk(dtype, mode):
     assert WALKS_COVERED[dtype, mode] <= reached, reached
 
 
-def test_chunk_tables_are_not_cached_for_a_captured_graph(monkeypatch):
-    """While a CUDA graph is captured the tables are built afresh (from the graph's memory pool, alive as
-    long as the graph is) and not cached: a graph holding the cached ones would read freed memory once a
-    call with another cu_seqlens replaced them. Capture simulated (no GPU here)."""
+def test_chunk_tables_are_kept_per_stream_and_not_for_a_captured_graph(monkeypatch):
+    """A table is reused on the stream it was built on only (its memory is then reused in that stream's
+    order); while a CUDA graph is captured the tables are built afresh (from the graph's memory pool, alive
+    as long as the graph is) and not cached: a graph holding cached ones would read freed memory once a
+    call with another cu_seqlens replaced them. Streams and capture simulated (no GPU here)."""
     from flash_qla import tensor_cache
 
     C = SM90.chunk
     cu = torch.tensor([0, 64, 200], dtype=torch.int32)
-    eager = chunk_table(cu, C, 5)
-    monkeypatch.setattr(tensor_cache, "_capturing", lambda tensor: True)
+    stream = {"key": 1}
+    monkeypatch.setattr(tensor_cache, "_stream_key", lambda tensor: stream["key"])
+    first = chunk_table(cu, C, 5)
+    assert chunk_table(cu, C, 5) is first
+    stream["key"] = 2  # another stream
+    second = chunk_table(cu, C, 5)
+    assert second is not first and torch.equal(second, first) and chunk_table(cu, C, 5) is second
+    stream["key"] = None  # capturing
     captured = chunk_table(cu, C, 5)
-    assert captured is not eager and torch.equal(captured, eager)
-    monkeypatch.undo()
-    assert chunk_table(cu, C, 5) is eager  # the eager entry stayed
+    assert captured is not second and torch.equal(captured, second)
+    stream["key"] = 2
+    assert chunk_table(cu, C, 5) is second  # the eager entry stayed
 
 
 def test_chunk_tables_of_an_inference_tensor():

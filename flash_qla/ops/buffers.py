@@ -85,7 +85,8 @@ def scratch(specs, like: torch.Tensor) -> list:
     caller's kernels write and read on the current stream and that nothing uses after the call.
 
     The last call's buffers on this device and stream from this thread when they had the same
-    specs, else new ones (kept for the next call when they take at most SCRATCH_MAX_BYTES). Reuse
+    specs, else new ones (kept for the next call when they take at most SCRATCH_MAX_BYTES, until a thread
+    that ended is found among the keepers when new ones are kept, or release_scratch). Reuse
     is safe by stream order: the next call's kernels, queued on the same stream, run after every
     kernel of this one. Per thread, because two threads' calls on one stream may interleave their
     launches. During a CUDA graph capture the buffers are new and not kept (a replay may run beside
@@ -101,8 +102,17 @@ def scratch(specs, like: torch.Tensor) -> list:
         return kept[1]
     buffers = [new(shape, dtype, like) for shape, dtype in specs]
     if sum(x.numel() * x.element_size() for x in buffers) <= SCRATCH_MAX_BYTES:
+        _drop_ended_threads()
         _scratch[key] = (specs, buffers)
     return buffers
+
+
+def _drop_ended_threads() -> None:
+    """Forget the scratch of threads that have ended (a server running each request on a thread of its
+    own would otherwise keep up to SCRATCH_MAX_BYTES for every thread it ever ran)."""
+    alive = {thread.ident for thread in threading.enumerate()}
+    for key in [key for key in _scratch if key[2] not in alive]:
+        del _scratch[key]
 
 
 def release_scratch() -> None:

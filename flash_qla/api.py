@@ -12,8 +12,8 @@ from flash_qla.validation import check_backward_inputs, check_inputs, check_opti
 
 
 def _default_scale(scale, q):
-    """K ** -0.5 unless given."""
-    return q.shape[-1] ** -0.5 if scale is None else scale
+    """K ** -0.5 unless given (as a Python float)."""
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
 def _pack(*tensors):
@@ -121,7 +121,7 @@ def chunk_gated_delta_rule(
     beta : Tensor, [B, T, Hv]
         Any float dtype.
     scale : float, optional
-        Multiplies q; defaults to ``K ** -0.5``.
+        Multiplies q (any real number but a bool, e.g. a NumPy float); defaults to ``K ** -0.5``.
     initial_state : Tensor, [N, Hv, K, V] ([N, Hv, V, K] if state_v_first), optional
         Any float dtype, used in float32. Zeros when omitted.
     output_final_state : bool

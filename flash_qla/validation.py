@@ -9,6 +9,7 @@ on the H200's host, benchmark/NOTES.md v25).
 """
 
 import math
+import numbers
 
 import torch
 
@@ -103,8 +104,8 @@ def _check_full(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_firs
     for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         _check_device(name, x, q.device)
 
-    if scale is not None:
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    if scale is not None:  # a Python or NumPy number (numbers.Real), not a bool or a tensor
+        if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
             raise TypeError(f"scale: expected None or a float, got {type(scale).__name__}")
         if not math.isfinite(scale):
             raise ValueError(f"scale: expected a finite value, got {scale}")

@@ -1,6 +1,7 @@
 """The public API against the float64 token-by-token oracle, and the low-level tuples' definitions."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ LAYOUTS = [Case("dense-B2-T150", B=2, T=150, Hqk=1, Hv=2, K=16, V=32, initial_st
 def naive_like_api(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
                    use_qk_l2norm_in_kernel=False, state_v_first=False):  # fmt: skip
     """The oracle with the public API's options applied around it."""
+    scale = None if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
         q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
     if state_v_first and initial_state is not None:
@@ -80,6 +82,8 @@ OPTIONS = [
     ("state-v-first", dict(state_v_first=True)),
     ("qk-l2norm", dict(use_qk_l2norm_in_kernel=True)),
     ("scale-0.3", dict(scale=0.3)),
+    ("scale-int", dict(scale=2)),
+    ("scale-fraction", dict(scale=Fraction(3, 10))),  # any numbers.Real (a NumPy float too)
     ("all", dict(state_v_first=True, use_qk_l2norm_in_kernel=True, scale=0.3)),
 ]
 

@@ -2,7 +2,8 @@
 
 All layers of a model step usually share one cu_seqlens tensor: what is derived from it
 (its validation, which reads it to the host, and the chunk tables) is then done once.
-The version counter catches in-place edits; the weak reference lets the tensor go.
+The version counter catches in-place edits (not those that bypass it: through .data, .numpy() or
+DLPack); the weak reference lets the tensor go.
 A tensor made under torch.inference_mode has no version counter: work on it is not cached
 (done again on every call, a read to the host included).
 """

@@ -1,4 +1,4 @@
-"""CPU checks of the kernels' host-side logic: chunk bookkeeping, V-tile choice, precompile CLI."""
+"""CPU checks of the kernels' host-side logic: chunk bookkeeping, V-tile choice, precompile CLI and its kernel lists."""
 
 import os
 
@@ -7,7 +7,7 @@ import torch
 from gpu_cases import CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
-from flash_qla.ops.backward import beside_widths, grads_parts
+from flash_qla.ops.backward import backward_kernel_builds, beside_widths, grads_parts
 from flash_qla.ops.chunks import (
     checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces, first_pieces, sequence_pieces,
 )  # fmt: skip
@@ -19,6 +19,8 @@ from flash_qla.ops.forward import (
     checkpoint_pieces_expected,
     checkpoint_rows,
     choose_block_v,
+    forward_kernel_builds,
+    kept_states_kernel_builds,
     chunk_step_time,
     kernel_unsupported_reason,
     keeps_checkpoints,
@@ -607,3 +609,44 @@ def test_whole_walk_time_of_unequal_lengths_lets_short_blocks_fill_the_sms():
     assert whole_walk_time([0, 0], 48, 128, 64, SM90) == 0.0
     # past the SMs' room in one long walk the average load decides: 28672 x 3 at 48 v-heads, 64 columns
     assert whole_walk_time([448, 448, 448, 64], 48, 128, 64, SM90) > 2 * one_wave
+
+
+def test_precompile_lists_every_forward_kernel():
+    builds = forward_kernel_builds(SM90, 16, 32, "bfloat16")
+    assert {f.__name__ for f, _ in builds} == {
+        "kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel", "fused_fwd_opath_kernel", "compose_maps_kernel"
+    }
+    # kkt_solve for β in q's dtype and in fp32, with P and without it (the O-path walk's, with and
+    # without h0); every V-tile width the launcher can choose, with and without h0 / h, and the two
+    # walks of a split walk's maps (M and b); the composition of the maps with and without an initial state
+    assert len(builds) == 2 * 2 + 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2) + 2
+    assert len(set(builds)) == len(builds)
+
+
+def test_precompile_lists_every_backward_kernel():
+    builds = backward_kernel_builds(SM90, 16, 32, "bfloat16")
+    assert {f.__name__ for f, _ in builds} == {
+        "kkt_solve_kernel",
+        "fused_fwd_kernel",
+        "fused_fwd_wide_kernel",
+        "fused_bwd_kernel",
+        "fused_bwd_wide_kernel",
+        "compose_maps_kernel",
+        "chunk_grads_kernel",
+    }
+    # kkt_solve in backward mode forming the bounds (β in q's dtype and in fp32) and not; for every V-tile width the states-only walk with and without h0
+    # (from the checkpoints or the sequences' starts), the forward walk keeping checkpoints with
+    # and without h0, the backward walk with and without dht / dh0 and the split backward's
+    # offsets walk; the reverse composition with and without dht; chunk_grads storing dβ in q's dtype and in fp32,
+    # with whole items and in halves (two v-heads a qk-head; one v-head: whole items only)
+    assert len(builds) == 3 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2 + 2 * 2
+    assert not set(builds) & set(forward_kernel_builds(SM90, 16, 32, "bfloat16"))
+    assert len(backward_kernel_builds(SM90, 16, 16, "bfloat16")) == len(builds) - 2
+
+
+def test_precompile_lists_the_kept_states_walks():
+    """Training's precompile adds the forward walks that keep every state (each width, with and without h0)."""
+    builds = kept_states_kernel_builds(SM90, 16, 32, "bfloat16")
+    assert len(builds) == len(set(builds)) == len(BLOCK_V_CHOICES) * 2
+    others = forward_kernel_builds(SM90, 16, 32, "bfloat16") + backward_kernel_builds(SM90, 16, 32, "bfloat16")
+    assert not set(builds) & set(others)

@@ -24,10 +24,8 @@ import subprocess
 import pytest
 
 from flash_qla.arch import SM90
-from flash_qla.ops.backward import backward_kernel_builds
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
 from flash_qla.ops.compose_maps import compose_maps_kernel
-from flash_qla.ops.forward import BLOCK_V_CHOICES, forward_kernel_builds, kept_states_kernel_builds
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
@@ -471,44 +469,3 @@ def test_a_kernel_asked_for_in_any_spelling_is_built_once():
     assert compose_maps_kernel.cache_info().misses - before <= 2  # this test's two configurations, at most
     with pytest.raises(TypeError):
         compose_maps_kernel(8, 128, 128, SM90, False, REVERSE=False, UNKNOWN=True)
-
-
-def test_precompile_lists_every_forward_kernel():
-    builds = forward_kernel_builds(SM90, 16, 32, "bfloat16")
-    assert {f.__name__ for f, _ in builds} == {
-        "kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel", "fused_fwd_opath_kernel", "compose_maps_kernel"
-    }
-    # kkt_solve for β in q's dtype and in fp32, with P and without it (the O-path walk's, with and
-    # without h0); every V-tile width the launcher can choose, with and without h0 / h, and the two
-    # walks of a split walk's maps (M and b); the composition of the maps with and without an initial state
-    assert len(builds) == 2 * 2 + 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2) + 2
-    assert len(set(builds)) == len(builds)
-
-
-def test_precompile_lists_every_backward_kernel():
-    builds = backward_kernel_builds(SM90, 16, 32, "bfloat16")
-    assert {f.__name__ for f, _ in builds} == {
-        "kkt_solve_kernel",
-        "fused_fwd_kernel",
-        "fused_fwd_wide_kernel",
-        "fused_bwd_kernel",
-        "fused_bwd_wide_kernel",
-        "compose_maps_kernel",
-        "chunk_grads_kernel",
-    }
-    # kkt_solve in backward mode forming the bounds (β in q's dtype and in fp32) and not; for every V-tile width the states-only walk with and without h0
-    # (from the checkpoints or the sequences' starts), the forward walk keeping checkpoints with
-    # and without h0, the backward walk with and without dht / dh0 and the split backward's
-    # offsets walk; the reverse composition with and without dht; chunk_grads storing dβ in q's dtype and in fp32,
-    # with whole items and in halves (two v-heads a qk-head; one v-head: whole items only)
-    assert len(builds) == 3 + len(BLOCK_V_CHOICES) * (2 + 2) + len(BLOCK_V_CHOICES) * (2 * 2 + 1) + 2 + 2 * 2
-    assert not set(builds) & set(forward_kernel_builds(SM90, 16, 32, "bfloat16"))
-    assert len(backward_kernel_builds(SM90, 16, 16, "bfloat16")) == len(builds) - 2
-
-
-def test_precompile_lists_the_kept_states_walks():
-    """Training's precompile adds the forward walks that keep every state (each width, with and without h0)."""
-    builds = kept_states_kernel_builds(SM90, 16, 32, "bfloat16")
-    assert len(builds) == len(set(builds)) == len(BLOCK_V_CHOICES) * 2
-    others = forward_kernel_builds(SM90, 16, 32, "bfloat16") + backward_kernel_builds(SM90, 16, 32, "bfloat16")
-    assert not set(builds) & set(others)

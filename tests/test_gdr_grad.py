@@ -341,6 +341,8 @@ KEEP_STATES_CASES = [  # (case, auto_cp): the forward walks that keep every stat
     (Case("keep_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), True),
     # ... or, without auto_cp, walks it whole at V-tiles of 16 (fused_fwd)
     (Case("keep_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), False),
+    # four pieces over 4 heads: kept, the pieces' walk at 16; recomputed, from the pieces' starts at 16
+    (Case("keep_narrow_gva1_h0", (8192,), heads=(4, 4), h0=True), True),
 ]
 
 
@@ -400,6 +402,8 @@ SPLIT_BACKWARD_CASES = [  # (case, pass dht, the split forced: else the planner'
     (Case("split_bwd_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True), True, True),
     # the planner splits two sequences from the lengths validation read, as the forward would
     (Case("split_bwd_planned_2x16384", (16384, 16384), heads=(2, 8)), True, False),
+    # ... and one over 4 heads in 4 pieces: the maps, the recompute and the walk at V-tiles of 16
+    (Case("split_bwd_planned_narrow_gva1", (8192,), heads=(4, 4), h0=True), True, False),
 ]
 
 

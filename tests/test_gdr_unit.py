@@ -128,6 +128,7 @@ SPLIT_CASES = [  # the split forced on and off, whatever the planner would do
     Case("split_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"),
     # several sequences: an empty one, one inside a piece, pieces not aligned to a sequence start
     Case("split_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True),
+    Case("split_narrow_gva1_h0", (8192,), heads=(4, 4), h0=True),  # 4 pieces x 4 heads: walks at V-tiles of 16
 ]
 
 

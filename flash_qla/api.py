@@ -117,7 +117,8 @@ def chunk_gated_delta_rule(
     v : Tensor, [B, T, Hv, V]
         q's dtype. ``Hv % Hqk == 0``; value head h reads qk head ``h // (Hv // Hqk)``.
     g : Tensor, [B, T, Hv]
-        Log-space decay per token (<= 0 for a decay), any float dtype, used in float32.
+        Log-space decay per token (<= 0 for a decay), any float dtype, used in float32. Finite, as
+        every input (not checked: see the README's Usage on what the GPU kernels assume).
     beta : Tensor, [B, T, Hv]
         Any float dtype.
     scale : float, optional

@@ -32,9 +32,9 @@ def _gpu_backward():
     return backward
 
 
-def _check_kernel_inputs(q, v):
+def _check_kernel_inputs(q, v, seqlens):
     """Raise a ValueError naming q when the GPU kernels cannot take these inputs."""
-    reason = _gpu_forward().kernel_unsupported_reason(q, v)
+    reason = _gpu_forward().kernel_unsupported_reason(q, v, len(seqlens))
     if reason is not None:
         raise ValueError(f"q: {reason}")
 
@@ -71,7 +71,7 @@ def _forward(
         None), which the backward then takes instead of computing them again.
     """
     if q.is_cuda:
-        _check_kernel_inputs(q, v)
+        _check_kernel_inputs(q, v, seqlens)
         return _gpu_forward().forward_kernels(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp,
             training, keep_states, scratch,
@@ -101,7 +101,7 @@ def _backward(
         The kernels use A; the reference recomputes the forward and ignores it.
     """
     if q.is_cuda:
-        _check_kernel_inputs(q, v)
+        _check_kernel_inputs(q, v, seqlens)
         return _gpu_backward().backward_kernels(
             q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp,
             chunk_terms,

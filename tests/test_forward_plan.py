@@ -319,9 +319,13 @@ def test_checkpoint_pieces(seqlens, every):
 
 def test_kernel_support_reasons():
     q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
-    assert kernel_unsupported_reason(q, q) is None
-    assert "float32" in kernel_unsupported_reason(q.float(), q)
-    assert "head dims" in kernel_unsupported_reason(q[..., :64], q[..., :64])
+    assert kernel_unsupported_reason(q, q, 1) is None
+    assert "float32" in kernel_unsupported_reason(q.float(), q, 1)
+    assert "head dims" in kernel_unsupported_reason(q[..., :64], q[..., :64], 1)
+    # kkt_solve's grid has a row per chunk slot: at most 65535 (CUDA's y extent)
+    longest = torch.empty(1, 64 * 65534, 1, 128, dtype=torch.bfloat16, device="meta")
+    assert kernel_unsupported_reason(longest, longest, 1) is None
+    assert "at most 65535 chunk slots" in kernel_unsupported_reason(longest, longest, 2)
 
 
 def test_unknown_arch_name():

@@ -33,18 +33,30 @@ from flash_qla.ops.fused_fwd_opath import fused_fwd_opath_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
 from flash_qla.ops.launch import executable, on_device, side_stream
+from flash_qla.reference.chunked import CHUNK_SIZE
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = ((128, 128),)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def kernel_unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the kernels cannot run these (validated) inputs, or None."""
+# CUDA's limit on a grid's y and z extents: kkt_solve's grid has a block row per chunk slot (T // 64 + N), the walks
+# one per sequence (or piece of one, at most as many as the slots)
+MAX_GRID_YZ = 65535
+
+
+def kernel_unsupported_reason(q: torch.Tensor, v: torch.Tensor, n_seqs: int) -> str | None:
+    """Why the kernels cannot run these (validated, packed: q [1, T, Hqk, K]) inputs of n_seqs sequences, or None."""
     if q.dtype not in SUPPORTED_DTYPES:
         return f"the GPU kernels take bfloat16 or float16 q/k/v, got {q.dtype}"
     if (q.shape[-1], v.shape[-1]) not in SUPPORTED_HEAD_DIMS:
         return f"the GPU kernels support head dims (K, V) in {SUPPORTED_HEAD_DIMS}, got ({q.shape[-1]}, {v.shape[-1]})"
+    slots = q.shape[1] // CHUNK_SIZE + n_seqs
+    if slots > MAX_GRID_YZ:
+        return (
+            f"the GPU kernels take at most {MAX_GRID_YZ} chunk slots (T // 64 + N) a call, got {slots} "
+            f"(T = {q.shape[1]} tokens, N = {n_seqs} sequences): split the call"
+        )
     return None
 
 

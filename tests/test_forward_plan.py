@@ -470,7 +470,10 @@ def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(forward, "forward_kernel_builds", fake_builds("fwd"))
     monkeypatch.setattr(backward, "backward_kernel_builds", fake_builds("bwd"))
     monkeypatch.setattr(forward, "kept_states_kernel_builds", fake_builds("keep"))
-    monkeypatch.delenv("TILELANG_CACHE_DIR", raising=False)
+    # set first so that monkeypatch records it and undoes what precompile sets (else every later test compiles
+    # into this test's temporary directory, and no run reuses TileLang's cache)
+    monkeypatch.setenv("TILELANG_CACHE_DIR", "unset")
+    monkeypatch.delenv("TILELANG_CACHE_DIR")
     argv = ["--heads", "16/32", "--heads", "4/8", "--dtype", "bfloat16", "--dtype", "float16", "--cache-dir", str(tmp_path)]
     assert precompile_main(argv) == 0
     layouts = [(h, v, d) for d in ("bfloat16", "float16") for h, v in ((16, 32), (4, 8))]
@@ -484,6 +487,28 @@ def test_precompile_builds_every_listed_kernel(monkeypatch, tmp_path, capsys):
 
     with pytest.raises(SystemExit):  # training compiles the kept states' walks anyway (keep_states=None keeps them)
         precompile_main(["--heads", "4/8", "--keep-states"])
+    for bad in (["--arch", "sm_90a"], ["--jobs", "0"], ["--jobs", "x"]):  # argparse errors, before any import of TileLang
+        with pytest.raises(SystemExit):
+            precompile_main(["--heads", "4/8", *bad])
+
+
+def test_precompile_compiles_a_shared_kernel_once(monkeypatch, tmp_path, capsys):
+    """A layout given twice, and a kernel two layouts share (compose_maps depends on Hv alone), compile once."""
+    from flash_qla.ops import forward
+
+    built = []
+
+    def kernel(*args):  # one factory, as the real ones are
+        built.append(args)
+
+    def builds(profile, Hqk, Hv, dtype):
+        return [(kernel, ("shared", Hv)), (kernel, ("own", Hqk, Hv))]
+
+    monkeypatch.setattr(forward, "forward_kernel_builds", builds)
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    assert precompile_main(["--heads", "2/8", "--heads", "4/8", "--heads", "2/8", "--forward-only"]) == 0
+    assert sorted(built) == [("own", 2, 8), ("own", 4, 8), ("shared", 8)]
+    assert "3 kernels for sm90" in capsys.readouterr().out
 
 
 def _recording_factory(built):

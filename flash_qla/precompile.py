@@ -6,9 +6,9 @@
 Every kernel training runs (the forward's, the backward's, and the forward walks that keep
 checkpoints or every state), unless --forward-only (inference: the forward's).
 Compiles into TileLang's kernel cache (``--cache-dir`` or ``TILELANG_CACHE_DIR``); no GPU
-is needed, nvcc is (TileLang calls it). At run time the library builds the identical target for the GPU it runs on,
-so a precompiled cache is hit and the first call does not stall on compilation. Run
-again, it finds every kernel in the cache and finishes in seconds.
+is needed, nvcc is (TileLang calls it). At run time the library builds the identical target
+for the GPU it runs on, so a precompiled cache is hit and the first call does not stall on
+compilation. Run again, it finds every kernel in the cache and finishes in seconds.
 """
 
 import argparse
@@ -28,7 +28,7 @@ def parse_heads(text: str) -> tuple[int, int]:
     return hqk, hv
 
 
-def positive(text: str) -> int:
+def parse_jobs(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), action="append", help="may repeat (default bfloat16)")
     parser.add_argument("--cache-dir", help="TileLang cache directory (default: TILELANG_CACHE_DIR or TileLang's)")
     parser.add_argument("--forward-only", action="store_true", help="only the inference forward's kernels")
-    parser.add_argument("--jobs", type=positive, default=1, help="compile in this many processes")
+    parser.add_argument("--jobs", type=parse_jobs, default=1, help="compile in this many processes")
     args = parser.parse_args(argv)
     if args.cache_dir:
         os.environ["TILELANG_CACHE_DIR"] = os.path.abspath(args.cache_dir)

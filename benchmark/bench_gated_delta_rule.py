@@ -24,7 +24,9 @@ the events see only the GPU work of the call (all of its kernels, gaps between t
 included; a call that syncs the device inside also shows its host work after the sync);
 median of --reps after warm-up. Whole call: host wall clock from a synchronised start to
 the synchronised end of one call, median. FLA runs with FLA_FLASH_QLA=0 so it does not
-dispatch to us, on the same inputs in the same process. floor = max(FLOP / 789 TFLOP/s,
+dispatch to us, on the same inputs in the same process, with its defaults otherwise (its Triton
+kernels; on Hopper with Triton 3.4-3.7 its backward's dq / dk / dw / dg step is FLA's TileLang kernel;
+its opt-in intra-card context parallelism off); the header names the Triton version. floor = max(FLOP / 789 TFLOP/s,
 bytes / 4.28 TB/s) with DESIGN.md §1's forward counts, printed in fwd mode only: §1 counts
 no backward, and the backward's least work depends on what it chooses to recompute.
 """
@@ -99,6 +101,14 @@ def call_ms(fn, reps):
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def triton_version():
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
 
 
 def load_fla():
@@ -225,7 +235,7 @@ def main():
     lines = [
         "# " + " ".join(["python", *sys.argv]),
         f"# GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, flash_qla {flash_qla.__version__}, "
-        f"fla {fla_version} (FLA_FLASH_QLA=0), bf16, K = V = 128, mode {args.mode} ({MODES[args.mode]}"
+        f"fla {fla_version} (FLA_FLASH_QLA=0), triton {triton_version()}, bf16, K = V = 128, mode {args.mode} ({MODES[args.mode]}"
         f"{'; ours with keep_states=True' if args.keep_states else ''}), ms (median of {args.reps})",
         format_line(HEADER, with_floor),
     ]

@@ -623,6 +623,30 @@ def test_cuda_graph_replays_the_eager_results(entry, monkeypatch):
         assert torch.equal(got, want), f"output {i}"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known, benchmark/NOTES.md v64: a sequence's last chunk loads up to 63 tokens of the next one and "
+    "cancels them by multiplying by zero, which an Inf survives",
+)
+def test_a_non_finite_sequence_leaves_the_one_before_alone(poisoned):
+    """An Inf in the first token of the second of two packed sequences (one request of a serving batch gone bad):
+    the first sequence's o, final state and gradients are still its own, as the reference over it alone has them."""
+    case = Case("non_finite_neighbour", (100, 100), heads=(4, 8))
+    x, cu, _ = case_inputs(case, seed=41)
+    x["v"][0, 100, 0, 0] = float("inf")  # the second sequence's first token, v-head 0
+    do = _randn(x["v"].shape, x["v"].dtype, 42)
+    dht = _randn((2, 8, 128, 128), torch.float32, 43)
+    got = _grads(flash_qla_gdr, x, do, dht, with_outputs=True, cu_seqlens=cu)
+    first = {name: t[:, :100] for name, t in x.items()}
+    want = _grads(reference_gdr, {n: t.float() for n, t in first.items()}, do[:, :100], dht[:1], with_outputs=True)
+    got = {name: t[:1] if name == "final_state" else t[:, :100] for name, t in got.items()}
+    errors = {name: rel_l2(got[name], want[name]) for name in want}
+    print(case.id, {name: f"{err:.2e}" for name, err in errors.items()})
+    for name in want:
+        assert torch.isfinite(got[name]).all(), f"{name} of the first sequence is not finite"
+    assert all(err <= _tolerance(name) for name, err in errors.items()), errors
+
+
 # ---- training smoke test ------------------------------------------------------------------------
 
 # A smoke test: it catches what breaks training (non-finite values, gross errors in o or in the

@@ -3,9 +3,11 @@
     python profile/profile_gdr.py --set develop [--skip-bwd] [--skip-fla]
 
 Runs each implementation --iters times under torch.profiler and prints, per config, every
-GPU kernel with its mean time per call and share of the call, ours then FLA's (Triton,
-FLA_FLASH_QLA=0). Without --skip-bwd the backward (from saved forward outputs, through
-autograd) is profiled too. The develop set is small on purpose: a few seconds per run.
+GPU kernel with its mean time per call and share of the kernels' summed time (two streams' kernels
+overlap, so a call's span can be shorter), ours then FLA's (FLA_FLASH_QLA=0: its Triton kernels, its
+backward's dq / dk / dw / dg step a TileLang kernel on Hopper with Triton 3.4-3.7). Without --skip-bwd
+the backward of o alone (from saved forward outputs, through autograd: FLA's gets a zero gradient for
+the final state, ours none) is profiled too. The develop set is small on purpose: a few seconds per run.
 """
 
 import argparse

@@ -5,7 +5,8 @@ All layers of a model step usually share one cu_seqlens tensor: what is derived 
 The version counter catches in-place edits (not those that bypass it: through .data, .numpy() or
 DLPack); the weak reference lets the tensor go.
 A tensor made under torch.inference_mode has no version counter: work on it is not cached
-(done again on every call, a read to the host included).
+(done again on every call, a read to the host included); what is cached is made as a normal tensor
+even under inference_mode (a later call with a gradient may save it for its backward).
 """
 
 import functools
@@ -38,7 +39,8 @@ def cache_last(fn=None, *, device_result=False):
         key = (id(tensor), tensor._version, args, stream)
         if last["ref"]() is tensor and last["key"] == key:
             return last["result"]
-        result = fn(tensor, *args)
+        with torch.inference_mode(False):  # a result kept for later calls is a normal tensor, whatever mode this one
+            result = fn(tensor, *args)
         last.update(key=key, ref=weakref.ref(tensor), result=result)
         return result
 

@@ -207,18 +207,21 @@ def test_inference_calls_skip_autograd_and_match(mode):
     assert torch.equal(o, o_grad.detach()) and torch.equal(final_state, final_grad.detach())
 
 
-@pytest.mark.parametrize("layout", ["varlen_int32", "varlen_int64", "dense"])
+@pytest.mark.parametrize("layout", ["varlen_int32", "varlen_int64", "varlen_int64_made_outside", "dense"])
 def test_inference_mode_calls_match_and_leave_training_working(layout):
     """Under torch.inference_mode (serving) a call gives the no_grad call's outputs, whether cu_seqlens is
-    made there (no version counter to cache its checks and tables on) or absent (a dense batch, whose
-    boundaries are built once); a later call with a gradient to compute, the same shapes, still runs
-    its backward (nothing made under inference_mode is saved for it)."""
+    made there (no version counter to cache its checks and tables on), made outside (int64: its int32 copy,
+    made under inference_mode, is kept), or absent (a dense batch, whose boundaries are built once); a later
+    call with a gradient to compute, the same shapes and boundaries, still runs its backward (nothing made
+    under inference_mode is saved for it)."""
     x = VARLEN.inputs() if layout != "dense" else Case("dense", B=2, T=70, Hqk=1, Hv=2).inputs()
     cu = x.pop("cu_seqlens")
     _dense_cu_seqlens.cache_clear()  # the dense boundaries first built under inference_mode
+    if layout == "varlen_int64_made_outside":
+        cu = cu.long()
     with torch.inference_mode():
-        cu_inference = None
-        if cu is not None:
+        cu_inference = cu
+        if layout in ("varlen_int32", "varlen_int64"):
             cu_inference = torch.tensor(cu.tolist(), dtype=torch.int64 if layout == "varlen_int64" else torch.int32)
         got = chunk_gated_delta_rule(**x, cu_seqlens=cu_inference, output_final_state=True)
     with torch.no_grad():

@@ -111,8 +111,9 @@ def _drop_ended_threads() -> None:
     """Forget the scratch of threads that have ended (a server running each request on a thread of its
     own would otherwise keep up to SCRATCH_MAX_BYTES for every thread it ever ran)."""
     alive = {thread.ident for thread in threading.enumerate()}
-    for key in [key for key in _scratch if key[2] not in alive]:
-        del _scratch[key]
+    for key in list(_scratch):  # a snapshot (atomic): other threads may add or drop entries meanwhile
+        if key[2] not in alive:
+            _scratch.pop(key, None)
 
 
 def release_scratch() -> None:

@@ -1,4 +1,9 @@
-"""Public entry points: validation, defaults, state layout, qk L2 norm and packing around the core."""
+"""Public entry points: validation, defaults, state layout, qk L2 norm and packing around the core.
+
+Each is opaque to torch.compile (torch.compiler.disable, as FLA's own entry point): a compiled model
+breaks its graph around the call and runs it eagerly. Traced, the host code's plans (sequence
+lengths read from cu_seqlens, tensor caches) would be guarded on and recompiled for every batch
+pattern, and the kernel launches cannot be traced."""
 
 import functools
 
@@ -89,6 +94,7 @@ def _l2norm(x):
     return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1, eps=1e-6).to(x.dtype)
 
 
+@torch.compiler.disable
 def chunk_gated_delta_rule(
     q,
     k,
@@ -199,6 +205,7 @@ def chunk_gated_delta_rule(
     return _unpack(o, B, T), _state_out(final_state, state_v_first)
 
 
+@torch.compiler.disable
 def chunk_gated_delta_rule_fwd(
     q,
     k,
@@ -264,6 +271,7 @@ def chunk_gated_delta_rule_fwd(
     return _unpack(g_cum, B, T), _unpack(A, B, T), _unpack(o, B, T), h, _state_out(final_state, state_v_first)
 
 
+@torch.compiler.disable
 def chunk_gated_delta_rule_bwd(
     q,
     k,

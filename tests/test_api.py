@@ -264,6 +264,35 @@ def test_release_scratch_empties_the_kept_buffers(monkeypatch):
     assert buffers._scratch == {}
 
 
+def test_compiled_callers_run_the_call_eagerly_without_recompiles():
+    """Under torch.compile each entry point is one graph break (torch.compiler.disable): outputs and
+    gradients are the eager call's, bitwise, and new cu_seqlens values (same count of sequences) reuse
+    the caller's compiled graphs. Traced, the host code compiled 28 frames over four patterns."""
+    from torch._dynamo.testing import CompileCounter
+
+    def step(q, k, v, g, beta, cu_seqlens):
+        o, final_state = chunk_gated_delta_rule(q * 2, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=True)
+        g_cum, A, o_low, _, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+        dq = chunk_gated_delta_rule_bwd(q, k, v, g_cum, beta, A, torch.ones_like(o_low), cu_seqlens=cu_seqlens)[0]
+        return (o * randn_like(o, seed=3)).sum() + final_state.sum() + (o_low * dq[..., :1]).sum()
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter)
+    frames = []
+    for lengths in ((37, 63), (50, 50), (1, 99), (64, 36)):
+        x = Case("varlen", lengths=lengths, Hqk=1, Hv=2).inputs()
+        del x["initial_state"]
+        results = []
+        for fn in (compiled, step):
+            leaves = {name: x[name].clone().requires_grad_() for name in ("q", "k", "v", "g", "beta")}
+            loss = fn(**{**x, **leaves})
+            results.append((loss, *torch.autograd.grad(loss, list(leaves.values()))))
+        assert all(torch.equal(got, want) for got, want in zip(*results)), lengths
+        frames.append(counter.frame_count)
+    assert frames[0] > 0 and frames[1:] == frames[:1] * 3, frames
+
+
 # Low-level forward: shapes and dtypes, and h, A, g_cum checked against their definitions.
 
 

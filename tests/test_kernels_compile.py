@@ -302,24 +302,24 @@ def test_narrow_backward_walk_waits_for_dv_product_alone(args):
 @pytest.mark.parametrize("states_only", [False, True])
 def test_fused_fwd_wide_chains_share_no_barrier(states_only):
     """The wide walk's consumer warpgroups never wait for each other: its only named barriers (the
-    staging of o, or of h in the recompute) count one warpgroup's threads, and TileLang adds no
-    block-wide barrier of its own."""
+    staging of o, or of h in the recompute, and on a sequence's last chunk the zeroing of k's rows past
+    its end) count one warpgroup's threads, and TileLang adds no block-wide barrier of its own."""
     source = fused_fwd_wide_kernel(16, 32, 128, 128, 128, "bfloat16", SM90, True, True, states_only).get_kernel_source()
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
     assert all(b.endswith(", 128") for b in barriers), barriers
-    # before and after the staging: o's in and after the loop, h's in the loop
-    assert len(barriers) == (2 if states_only else 4)
+    # before and after the staging: o's in and after the loop, h's in the loop; before and after the zeroing
+    assert len(barriers) == (2 if states_only else 4) + 2
     assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
 
 
 def test_opath_walk_roles_meet_at_mbarriers_only():
     """fused_fwd_opath's loads, chain and two O warpgroups hand tiles over by mbarriers: the only named
     barriers are the O warpgroups' own around o's staging (ids 10, 11; TileLang's sync pass is off for
-    this kernel), and the only block-wide one follows the mbarriers' init. kkt_solve without P takes
-    and reads neither q nor P."""
+    this kernel) and the chain's own around its zeroing of k's rows past a sequence's end (id 4), and the
+    only block-wide one follows the mbarriers' init. kkt_solve without P takes and reads neither q nor P."""
     source = fused_fwd_opath_kernel(2, 8, 128, 128, "bfloat16", SM90, False).get_kernel_source()
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
-    assert barriers == ["10, 128"] * 2 + ["11, 128"] * 2, barriers
+    assert barriers == ["10, 128"] * 2 + ["11, 128"] * 2 + ["4, 128"] * 2, barriers
     assert source.count("__syncthreads()") == 1
     kkt = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", False, False).get_kernel_source()
     signature = kkt[kkt.index("__global__"):].split("{")[0]

@@ -34,7 +34,10 @@ Schedule: grid (V / 64, Hv, N), 512 threads, one block an SM (216 320 bytes of s
 - warp 0 streams k, the gates, v, A, q and γ of each chunk by TMA into a 3-deep ring (full /
   empty mbarriers; a slot is free once the chain and the chunk's O warpgroup have read it);
   its warpgroup keeps 24 registers a thread (setmaxnreg);
-- warpgroup 3, the chain (240 registers): as fused_fwd_wide's at BV = 64, with Sᵀ (rounded)
+- warpgroup 3, the chain (240 registers): as fused_fwd_wide's at BV = 64 (its masking too: on a
+  sequence's last chunk it zeroes the k tile's rows past the end, behind named barrier 4 of its
+  own, which an O warpgroup's Q Kᵀ may read meanwhile only for P's entries past the end, which it
+  masks), with Sᵀ (rounded)
   staged for the O path under Sᵀ Kᵀ and v_newᵀ under the state update, each by stmatrix into the
   tile of the chunk's parity (mbarriers sfull / sempty, vfull / vempty, one pair a parity), and
   Vᵀ read from the ring by ldmatrix.trans under Sᵀ Kᵀ (4 instructions a thread where 2-byte
@@ -79,7 +82,7 @@ from tilelang.transform import PassConfigKey
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
-from flash_qla.ops.staging import load_transposed, stage_rows
+from flash_qla.ops.staging import load_transposed, stage_rows, zero_rows_past_by_warpgroup
 
 LOG2E = 1.4426950408889634
 BV = 64  # one chain: the V-tile is wgmma's M of one warpgroup
@@ -105,6 +108,7 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
     stage_s = stage_rows(K)
     stage_vn = stage_rows(C)
     load_vt = load_transposed(C)
+    zero_k_rows = zero_rows_past_by_warpgroup(C, K)  # k_s[s, valid:] = 0 on a sequence's last chunk (the chain's barrier 4)
 
     @T.macro
     def o_path(
@@ -276,11 +280,15 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
                     load_vt(Ub, v_s, s, tx - 384)  # Vᵀ, under Sᵀ Kᵀ
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(Wt, num_regs=C * BV // 128)
+                    if valid < C:  # a sequence's last chunk: the next sequence's k rows out of the update
+                        zero_k_rows(k_s, s, valid, tx - 384)
                     for j, i in T.Parallel(BV, C):
-                        Ub[j, i] = Ub[j, i] - Wt[j, i] * eg[i]
+                        Ub[j, i] = T.if_then_else(i < valid, Ub[j, i] - Wt[j, i] * eg[i], 0.0)
                     T.wgmma_gemm(Ub, a_s[s, :, :], VNt, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(VNt, num_regs=C * BV // 128)
+                    for j, i in T.Parallel(BV, C):  # columns past the end: A's rows there are the next sequence's
+                        VNt[j, i] = T.if_then_else(i < valid, VNt[j, i], 0.0)
                     for j, i in T.Parallel(BV, C):
                         VDb[j, i] = VNt[j, i] * ed[i]
                     T.wgmma_gemm(VDb, k_s[s, :, :], St)

@@ -231,3 +231,55 @@ def state_store(BV: int, K: int):
 def state_stores_done():
     """Wait until the last state_store has read its staging tile (before the block's shared memory goes)."""
     T.tma_store_wait(0)
+
+
+
+
+
+# A sequence's last chunk: the walks' ring tiles are TMA boxes of C rows, so there the rows past `valid` come from
+# the next sequence. The products' gate factors and masks multiply them by zero, which does not cancel an Inf or
+# NaN: zeroed, a non-finite token reaches no other sequence's results.
+
+
+@T.macro
+def zero_rows_past(x_s, valid):
+    """x_s[valid:, :] = 0 in a ring tile [C, W] of a walk with one consumer warpgroup, whose barriers TileLang
+    places. The tile is read, selected and written whole: TileLang's warp specialization then waits for its
+    load first (a store alone is no use of the tile to it), wherever the call stands."""
+    for i, j in T.Parallel(x_s.shape[0], x_s.shape[1]):
+        x_s[i, j] = T.if_then_else(i < valid, x_s[i, j], T.cast(0, x_s.dtype))
+
+
+def zero_rows_past_by_warpgroup(C: int, W: int):
+    """The macro zero_rows_past_by_warpgroup(x_s, b, valid, tx): x_s[b, valid:, :] = 0 (x_s[valid:, :] when b
+    is None) in a ring tile [C, W] (16-bit) of a walk with several consumer warpgroups (or TileLang's barriers
+    off), each zeroing for itself (tx the consumer thread index).
+
+    Call it after the tile's load was waited for: inside the ws_op of the first product that reads it
+    (TileLang's warp specialization waits for an op's tiles before the op, and sees no use of the tile in a
+    store alone), or after such a product. Every warpgroup zeroes the whole region (the same values) and waits
+    on a named barrier of its own 128 threads, after a proxy fence that shows the stores to wgmma, so the
+    warpgroups' chains still never wait for each other (another warpgroup's product reading those rows
+    meanwhile takes them into only its results past `valid`, which the walks drop). 16-byte stores.
+    """
+    VEC = 8
+    assert C * W % (128 * VEC) == 0
+
+    @T.macro
+    def zero(x_s, b, valid, tx):
+        lane = tx % 128
+        T.sync_threads(STAGE_BARRIER + tx // 128, 128)  # ordering nothing, but TileLang's sync pass otherwise puts its
+        # own barrier before the call's branch, on every chunk
+        for n in T.serial(C * W // (128 * VEC)):
+            i = (n * 128 + lane) * VEC // W
+            col = (n * 128 + lane) * VEC % W
+            if i >= valid:
+                for e in T.vectorized(VEC):
+                    if b is None:
+                        x_s[i, col + e] = T.cast(0, x_s.dtype)
+                    else:
+                        x_s[b, i, col + e] = T.cast(0, x_s.dtype)
+        T.fence_proxy_async()
+        T.sync_threads(STAGE_BARRIER + tx // 128, 128)
+
+    return zero

@@ -108,7 +108,7 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
     stage_s = stage_rows(K)
     stage_vn = stage_rows(C)
     load_vt = load_transposed(C)
-    zero_k_rows = zero_rows_past_by_warpgroup(C, K)  # k_s[s, valid:] = 0 on a sequence's last chunk (the chain's barrier 4)
+    zero_k_rows = zero_rows_past_by_warpgroup(C, K)  # k_s[s, valid:] = 0 on a sequence's last chunk (barrier 4)
 
     @T.macro
     def o_path(

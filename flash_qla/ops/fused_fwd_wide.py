@@ -2,8 +2,9 @@
 
 Computes what fused_fwd computes (o, the final state and, when asked, h; the same
 math, rounding and masking: on a sequence's last chunk each consumer warpgroup zeroes the k
-tile's rows past the end itself, staging.zero_rows_past_by_warpgroup), for V-tiles of BV = 64 · (consumer warpgroups) columns, with
-every product transposed so that the V columns are its M side:
+tile's rows past the end itself, staging.zero_rows_past_by_warpgroup), for V-tiles of
+BV = 64 · (consumer warpgroups) columns, with every product transposed so that the V columns are
+its M side:
 
     Wᵀ     = Sᵀ Kᵀ                                             [BV, C]
     Uᵀ     = Vᵀ − Wᵀ diag(e^γ)                                 [BV, C]

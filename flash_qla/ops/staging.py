@@ -233,9 +233,6 @@ def state_stores_done():
     T.tma_store_wait(0)
 
 
-
-
-
 # A sequence's last chunk: the walks' ring tiles are TMA boxes of C rows, so there the rows past `valid` come from
 # the next sequence. The products' gate factors and masks multiply them by zero, which does not cancel an Inf or
 # NaN: zeroed, a non-finite token reaches no other sequence's results.
@@ -255,9 +252,8 @@ def zero_rows_past_by_warpgroup(C: int, W: int):
     is None) in a ring tile [C, W] (16-bit) of a walk with several consumer warpgroups (or TileLang's barriers
     off), each zeroing for itself (tx the consumer thread index).
 
-    Call it after the tile's load was waited for: inside the ws_op of the first product that reads it
-    (TileLang's warp specialization waits for an op's tiles before the op, and sees no use of the tile in a
-    store alone), or after such a product. Every warpgroup zeroes the whole region (the same values) and waits
+    Call it after the tile's load was waited for, e.g. after a product that reads the tile (a store alone is no
+    use of the tile to TileLang's warp specialization, which would not wait for the load before it). Every warpgroup zeroes the whole region (the same values) and waits
     on a named barrier of its own 128 threads, after a proxy fence that shows the stores to wgmma, so the
     warpgroups' chains still never wait for each other (another warpgroup's product reading those rows
     meanwhile takes them into only its results past `valid`, which the walks drop). 16-byte stores.

@@ -11,9 +11,10 @@ e^{γ_L − γ} zero past the sequence's end, dS' the gradient of the state afte
 
 dv is the gradient of v: v enters only through U = V − diag(e^γ) K S and v_new = A U
 (flash_qla/reference/backward_stages.py has the whole derivation). The walk needs no
-forward state: dS' depends on S only through quantities it never reads. dO rows past the
-sequence's end are zeroed on load, so the rows of P and A that the tile reads from the
-next sequence meet zeros.
+forward state: dS' depends on S only through quantities it never reads. On a sequence's last
+chunk (the walk's first) the tiles' rows past its end are the next sequence's: dO's and dv_new's
+are selected to 0 and those of P, A, q and k zeroed in their tiles (staging.keep_rows_before), so
+not even an Inf or NaN there reaches this sequence (a product with a zero factor would not cancel it).
 
 Inputs (packed varlen, T tokens in all):
     q, k     [T, Hqk, K]    input dtype; v-head h reads qk-head h // (Hv // Hqk)
@@ -60,6 +61,7 @@ import tilelang.language as T
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import kernel_factory
 from flash_qla.ops.negligible import kept_first_chunks
+from flash_qla.ops.staging import keep_rows_before
 
 LOG2E = 1.4426950408889634
 # elements of padding per row of the dv staging tile (the o tile's pattern in fused_fwd:
@@ -185,6 +187,9 @@ def fused_bwd_kernel(
                 T.copy(do_s, DO)
                 for i, j in T.Parallel(C, BV):
                     dom_s[i, j] = T.if_then_else(i < valid, DO[i, j] * scale, 0.0)
+                if valid < C:  # a sequence's last chunk (the walk's first): the next sequence's rows out of
+                    keep_rows_before(p_s, valid)  # Pᵀ dO (dO's rows there are 0: a product of zero and an Inf is
+                    keep_rows_before(k_s, valid)  # no zero) and the update's Kᵀ
 
                 # dS <- e^{γ_L} dS' + Qᵀ diag(scale e^γ) dO − Kᵀ diag(e^γ) dv: the decay now (before the
                 # products are issued: ptxas waits for every pending product before registers a product
@@ -196,12 +201,15 @@ def fused_bwd_kernel(
                     T.wgmma_gemm(k_s, ds_s, KD, clear_accum=True)
                     T.wgmma_gemm(p_s, dom_s, DVN, transpose_A=True, clear_accum=True)
                     for i, j in T.Parallel(C, BV):  # the operand of Qᵀ dO, under them
-                        doe_s[i, j] = DO[i, j] * (scale * eg_s[i])
+                        doe_s[i, j] = T.if_then_else(i < valid, DO[i, j] * (scale * eg_s[i]), 0.0)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(KD, num_regs=TILE_REGS)
                     T.warpgroup_fence_operand(DVN, num_regs=TILE_REGS)
-                for i, j in T.Parallel(C, BV):
-                    DVN[i, j] = DVN[i, j] + KD[i, j] * ed[i]
+                for i, j in T.Parallel(C, BV):  # rows past the end: K's there are the next sequence's
+                    DVN[i, j] = T.if_then_else(i < valid, DVN[i, j] + KD[i, j] * ed[i], 0.0)
+                if valid < C:  # out of Aᵀ dv_new and Qᵀ dO
+                    keep_rows_before(q_s, valid)
+                    keep_rows_before(a_s, valid)
                 T.copy(DVN, dvn_s)
 
                 # dv = Aᵀ dv_new, then Qᵀ diag(scale e^γ) dO into dS behind it: waited for with the update's

@@ -240,9 +240,18 @@ def state_stores_done():
 
 @T.macro
 def zero_rows_past(x_s, valid):
+    """x_s[valid:, :] = 0 in a tile [C, W] whose load was waited for (behind a product that read the ring tile,
+    or chunk_grads' copies' wait), by the block's threads as TileLang lays the loop out."""
+    for i, j in T.Parallel(x_s.shape[0], x_s.shape[1]):
+        if i >= valid:
+            x_s[i, j] = T.cast(0, x_s.dtype)
+
+
+@T.macro
+def keep_rows_before(x_s, valid):
     """x_s[valid:, :] = 0 in a ring tile [C, W] of a walk with one consumer warpgroup, whose barriers TileLang
-    places. The tile is read, selected and written whole: TileLang's warp specialization then waits for its
-    load first (a store alone is no use of the tile to it), wherever the call stands."""
+    places, wherever the call stands: the tile is read, selected and written whole, so TileLang's warp
+    specialization waits for its load first (a store alone is no use of the tile to it)."""
     for i, j in T.Parallel(x_s.shape[0], x_s.shape[1]):
         x_s[i, j] = T.if_then_else(i < valid, x_s[i, j], T.cast(0, x_s.dtype))
 

@@ -189,7 +189,9 @@ def fused_bwd_kernel(
                     dom_s[i, j] = T.if_then_else(i < valid, DO[i, j] * scale, 0.0)
                 if valid < C:  # a sequence's last chunk (the walk's first): the next sequence's rows out of
                     keep_rows_before(p_s, valid)  # Pᵀ dO (dO's rows there are 0: a product of zero and an Inf is
-                    keep_rows_before(k_s, valid)  # no zero) and the update's Kᵀ
+                    keep_rows_before(k_s, valid)  # no zero), the update's Kᵀ and Qᵀ diag(scale · e^γ) dO
+                    for i, j in T.Parallel(C, BV):
+                        DO[i, j] = T.if_then_else(i < valid, DO[i, j], T.cast(0, dtype))
 
                 # dS <- e^{γ_L} dS' + Qᵀ diag(scale e^γ) dO − Kᵀ diag(e^γ) dv: the decay now (before the
                 # products are issued: ptxas waits for every pending product before registers a product
@@ -201,13 +203,15 @@ def fused_bwd_kernel(
                     T.wgmma_gemm(k_s, ds_s, KD, clear_accum=True)
                     T.wgmma_gemm(p_s, dom_s, DVN, transpose_A=True, clear_accum=True)
                     for i, j in T.Parallel(C, BV):  # the operand of Qᵀ dO, under them
-                        doe_s[i, j] = T.if_then_else(i < valid, DO[i, j] * (scale * eg_s[i]), 0.0)
+                        doe_s[i, j] = DO[i, j] * (scale * eg_s[i])
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(KD, num_regs=TILE_REGS)
                     T.warpgroup_fence_operand(DVN, num_regs=TILE_REGS)
-                for i, j in T.Parallel(C, BV):  # rows past the end: K's there are the next sequence's
-                    DVN[i, j] = T.if_then_else(i < valid, DVN[i, j] + KD[i, j] * ed[i], 0.0)
-                if valid < C:  # out of Aᵀ dv_new and Qᵀ dO
+                for i, j in T.Parallel(C, BV):
+                    DVN[i, j] = DVN[i, j] + KD[i, j] * ed[i]
+                if valid < C:  # out of dv_new (K dS' read k's rows there), Aᵀ dv_new and Qᵀ dO
+                    for i, j in T.Parallel(C, BV):
+                        DVN[i, j] = T.if_then_else(i < valid, DVN[i, j], 0.0)
                     keep_rows_before(q_s, valid)
                     keep_rows_before(a_s, valid)
                 T.copy(DVN, dvn_s)

@@ -214,8 +214,11 @@ def fused_bwd_wide_kernel(
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(KDt, num_regs=TILE_REGS)
                     T.warpgroup_fence_operand(DVNt, num_regs=TILE_REGS)
-                for j, i in T.Parallel(BV, C):  # columns past the end: K's rows there are the next sequence's
-                    DVNb[j, i] = T.if_then_else(i < valid, DVNt[j, i] + KDt[j, i] * ed[i], 0.0)
+                for j, i in T.Parallel(BV, C):
+                    DVNb[j, i] = DVNt[j, i] + KDt[j, i] * ed[i]
+                if valid < C:  # columns past the end: (K dS')ᵀ's there read k's rows of the next sequence
+                    for j, i in T.Parallel(BV, C):
+                        DVNb[j, i] = T.if_then_else(i < valid, DVNb[j, i], T.cast(0, dtype))
 
                 # dvᵀ = dv_newᵀ A, then dSᵀ <- e^{γ_L} dS'ᵀ + dOᵀ diag(scale · e^γ) Q − dvᵀ diag(e^γ) K,
                 # both update products in flight together with the dv store under them
@@ -230,11 +233,14 @@ def fused_bwd_wide_kernel(
                     load_dot(DOe, do_s, None, tx)
                     for j, i in T.Parallel(BV, C):
                         DUe[j, i] = -DVt[j, i] * eg[i]
-                        DOe[j, i] = T.if_then_else(i < valid, DOe[j, i] * (scale * eg[i]), 0.0)
+                        DOe[j, i] = DOe[j, i] * (scale * eg[i])
                 else:
                     for j, i in T.Parallel(BV, C):
                         DUe[j, i] = -DVt[j, i] * eg[i]
-                        DOe[j, i] = T.if_then_else(i < valid, do_s[i, j] * (scale * eg[i]), 0.0)
+                        DOe[j, i] = do_s[i, j] * (scale * eg[i])
+                if valid < C:  # dO's columns past the end are the next sequence's
+                    for j, i in T.Parallel(BV, C):
+                        DOe[j, i] = T.if_then_else(i < valid, DOe[j, i], T.cast(0, dtype))
                 if not ENDS_ONLY:
                     T.copy(DVt, DVb)
                 with T.ws_op("k_s_q_s"):  # one op: the ring frees k_s and q_s only after the wait

@@ -252,17 +252,23 @@ def fused_fwd_kernel(
                     T.warpgroup_fence_operand(W, num_regs=TILE_REGS)
                     if not STATES_ONLY:
                         T.warpgroup_fence_operand(O, num_regs=TILE_REGS)
-                if valid < C:  # a sequence's last chunk: the next sequence's k rows out of the update
-                    zero_rows_past(k_s, valid)
+                if valid < C:  # a sequence's last chunk: the next sequence's rows (past valid) out of the
+                    zero_rows_past(k_s, valid)  # update's Kᵀ, and of U = V − diag(e^γ) K S (K S's rows there read k's)
+                    for i, j in T.Parallel(C, BV):
+                        W[i, j] = T.if_then_else(i < valid, W[i, j], 0.0)
+                    if not MAPS:
+                        for i, j in T.Parallel(C, BV):
+                            VF[i, j] = T.if_then_else(i < valid, VF[i, j], T.cast(0, dtype))
                 if MAPS:  # V = 0
                     for i, j in T.Parallel(C, BV):
-                        u_s[i, j] = T.if_then_else(i < valid, -W[i, j] * eg[i], 0.0)
+                        u_s[i, j] = -W[i, j] * eg[i]
                 else:
                     for i, j in T.Parallel(C, BV):
-                        u_s[i, j] = T.if_then_else(i < valid, VF[i, j] - W[i, j] * eg[i], 0.0)
+                        u_s[i, j] = VF[i, j] - W[i, j] * eg[i]
                 T.gemm(a_s, u_s, VN, clear_accum=True)
-                for i, j in T.Parallel(C, BV):  # rows past the end: A's rows there are the next sequence's
-                    VN[i, j] = T.if_then_else(i < valid, VN[i, j], 0.0)
+                if valid < C:  # A's rows there are the next sequence's
+                    for i, j in T.Parallel(C, BV):
+                        VN[i, j] = T.if_then_else(i < valid, VN[i, j], 0.0)
                 for i, j in T.Parallel(C, BV):
                     vd_s[i, j] = VN[i, j] * ed[i]
                 if not STATES_ONLY:

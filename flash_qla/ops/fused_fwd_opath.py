@@ -280,15 +280,18 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
                     load_vt(Ub, v_s, s, tx - 384)  # Vᵀ, under Sᵀ Kᵀ
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(Wt, num_regs=C * BV // 128)
-                    if valid < C:  # a sequence's last chunk: the next sequence's k rows out of the update
-                        zero_k_rows(k_s, s, valid, tx - 384)
                     for j, i in T.Parallel(BV, C):
-                        Ub[j, i] = T.if_then_else(i < valid, Ub[j, i] - Wt[j, i] * eg[i], 0.0)
+                        Ub[j, i] = Ub[j, i] - Wt[j, i] * eg[i]
+                    if valid < C:  # a sequence's last chunk: the next sequence's rows out of the update's K, Uᵀ
+                        zero_k_rows(k_s, s, valid, tx - 384)  # and v_newᵀ (as fused_fwd_wide)
+                        for j, i in T.Parallel(BV, C):
+                            Ub[j, i] = T.if_then_else(i < valid, Ub[j, i], T.cast(0, dtype))
                     T.wgmma_gemm(Ub, a_s[s, :, :], VNt, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(VNt, num_regs=C * BV // 128)
-                    for j, i in T.Parallel(BV, C):  # columns past the end: A's rows there are the next sequence's
-                        VNt[j, i] = T.if_then_else(i < valid, VNt[j, i], 0.0)
+                    if valid < C:
+                        for j, i in T.Parallel(BV, C):
+                            VNt[j, i] = T.if_then_else(i < valid, VNt[j, i], 0.0)
                     for j, i in T.Parallel(BV, C):
                         VDb[j, i] = VNt[j, i] * ed[i]
                     T.wgmma_gemm(VDb, k_s[s, :, :], St)

@@ -229,13 +229,17 @@ def fused_fwd_wide_kernel(
                     zero_k_rows(k_s, None, valid, tx)
                 if MAPS:  # V = 0
                     for j, i in T.Parallel(BV, C):
-                        Ub[j, i] = T.if_then_else(i < valid, -Wt[j, i] * eg[i], 0.0)
+                        Ub[j, i] = -Wt[j, i] * eg[i]
                 else:
                     for j, i in T.Parallel(BV, C):
-                        Ub[j, i] = T.if_then_else(i < valid, v_s[i, j] - Wt[j, i] * eg[i], 0.0)
+                        Ub[j, i] = v_s[i, j] - Wt[j, i] * eg[i]
+                if valid < C:  # and out of Uᵀ (from V's and K S's columns there) and v_newᵀ (from A's rows)
+                    for j, i in T.Parallel(BV, C):
+                        Ub[j, i] = T.if_then_else(i < valid, Ub[j, i], T.cast(0, dtype))
                 T.gemm(Ub, a_s, VNt, transpose_B=True, clear_accum=True, policy=ROWS)
-                for j, i in T.Parallel(BV, C):  # columns past the end: A's rows there are the next sequence's
-                    VNt[j, i] = T.if_then_else(i < valid, VNt[j, i], 0.0)
+                if valid < C:
+                    for j, i in T.Parallel(BV, C):
+                        VNt[j, i] = T.if_then_else(i < valid, VNt[j, i], 0.0)
                 for j, i in T.Parallel(BV, C):
                     VDb[j, i] = VNt[j, i] * ed[i]
                 if not STATES_ONLY:

@@ -13,7 +13,7 @@ dv is the gradient of v: v enters only through U = V − diag(e^γ) K S and v_ne
 (flash_qla/reference/backward_stages.py has the whole derivation). The walk needs no
 forward state: dS' depends on S only through quantities it never reads. On a sequence's last
 chunk (the walk's first) the tiles' rows past its end are the next sequence's: dO's and dv_new's
-are selected to 0 and those of P, A, q and k zeroed in their tiles (staging.keep_rows_before), so
+are selected to 0 and those of P, A, q and k zeroed in their tiles (staging.zero_ring_rows_past), so
 not even an Inf or NaN there reaches this sequence (a product with a zero factor would not cancel it).
 
 Inputs (packed varlen, T tokens in all):
@@ -61,7 +61,7 @@ import tilelang.language as T
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import kernel_factory
 from flash_qla.ops.negligible import kept_first_chunks
-from flash_qla.ops.staging import keep_rows_before
+from flash_qla.ops.staging import zero_ring_rows_past
 
 LOG2E = 1.4426950408889634
 # elements of padding per row of the dv staging tile (the o tile's pattern in fused_fwd:
@@ -188,8 +188,8 @@ def fused_bwd_kernel(
                 for i, j in T.Parallel(C, BV):
                     dom_s[i, j] = T.if_then_else(i < valid, DO[i, j] * scale, 0.0)
                 if valid < C:  # a sequence's last chunk (the walk's first): the next sequence's rows out of
-                    keep_rows_before(p_s, valid)  # Pᵀ dO (dO's rows there are 0: a product of zero and an Inf is
-                    keep_rows_before(k_s, valid)  # no zero), the update's Kᵀ and Qᵀ diag(scale · e^γ) dO
+                    zero_ring_rows_past(p_s, valid)  # Pᵀ dO (dO's rows there are 0: a product of zero and an Inf is
+                    zero_ring_rows_past(k_s, valid)  # no zero), the update's Kᵀ and Qᵀ diag(scale · e^γ) dO
                     for i, j in T.Parallel(C, BV):
                         DO[i, j] = T.if_then_else(i < valid, DO[i, j], T.cast(0, dtype))
 
@@ -212,8 +212,8 @@ def fused_bwd_kernel(
                 if valid < C:  # out of dv_new (K dS' read k's rows there), Aᵀ dv_new and Qᵀ dO
                     for i, j in T.Parallel(C, BV):
                         DVN[i, j] = T.if_then_else(i < valid, DVN[i, j], 0.0)
-                    keep_rows_before(q_s, valid)
-                    keep_rows_before(a_s, valid)
+                    zero_ring_rows_past(q_s, valid)
+                    zero_ring_rows_past(a_s, valid)
                 T.copy(DVN, dvn_s)
 
                 # dv = Aᵀ dv_new, then Qᵀ diag(scale e^γ) dO into dS behind it: waited for with the update's

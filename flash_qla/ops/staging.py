@@ -248,12 +248,16 @@ def zero_rows_past(x_s, valid):
 
 
 @T.macro
-def keep_rows_before(x_s, valid):
-    """x_s[valid:, :] = 0 in a ring tile [C, W] of a walk with one consumer warpgroup, whose barriers TileLang
-    places, wherever the call stands: the tile is read, selected and written whole, so TileLang's warp
-    specialization waits for its load first (a store alone is no use of the tile to it)."""
+def zero_ring_rows_past(x_s, valid):
+    """zero_rows_past for a ring tile of a warp-specialized walk with one consumer warpgroup (whose barriers
+    TileLang places), wherever the call stands: it reads one element of the tile first, so that TileLang's
+    warp specialization waits for the tile's load before the zeroing (a store alone is no use of the tile
+    to it). A read-modify-write of the whole tile does as well, but took a barrier per row group."""
+    seen = T.alloc_var(x_s.dtype)
+    seen = x_s[0, 0]  # noqa: F841 (read for its wait)
     for i, j in T.Parallel(x_s.shape[0], x_s.shape[1]):
-        x_s[i, j] = T.if_then_else(i < valid, x_s[i, j], T.cast(0, x_s.dtype))
+        if i >= valid:
+            x_s[i, j] = T.cast(0, x_s.dtype)
 
 
 def zero_rows_past_by_warpgroup(C: int, W: int):
@@ -261,8 +265,9 @@ def zero_rows_past_by_warpgroup(C: int, W: int):
     is None) in a ring tile [C, W] (16-bit) of a walk with several consumer warpgroups (or TileLang's barriers
     off), each zeroing for itself (tx the consumer thread index).
 
-    Call it after the tile's load was waited for, e.g. after a product that reads the tile (a store alone is no
-    use of the tile to TileLang's warp specialization, which would not wait for the load before it). Every warpgroup zeroes the whole region (the same values) and waits
+    Call it after the tile's load was waited for: after a product that reads the tile, or inside the ws_op of
+    the first one (TileLang's warp specialization waits for an op's tiles before the op; a store alone is no
+    use of the tile to it, which would not wait for the load before it). Every warpgroup zeroes the whole region (the same values) and waits
     on a named barrier of its own 128 threads, after a proxy fence that shows the stores to wgmma, so the
     warpgroups' chains still never wait for each other (another warpgroup's product reading those rows
     meanwhile takes them into only its results past `valid`, which the walks drop). 16-byte stores.

@@ -315,12 +315,19 @@ def test_fused_fwd_wide_chains_share_no_barrier(states_only):
 def test_opath_walk_roles_meet_at_mbarriers_only():
     """fused_fwd_opath's loads, chain and two O warpgroups hand tiles over by mbarriers: the only named
     barriers are the O warpgroups' own around o's staging (ids 10, 11; TileLang's sync pass is off for
-    this kernel) and the chain's own around its zeroing of k's rows past a sequence's end (id 4), and the
-    only block-wide one follows the mbarriers' init. kkt_solve without P takes and reads neither q nor P."""
+    this kernel), and the only block-wide one follows the mbarriers' init. The rows past a sequence's end
+    are zeroed by the loading warp (k's, v's and A's, behind an mbarrier of their own), before it hands the
+    slot over, not by a consumer. kkt_solve without P takes and reads neither q nor P."""
     source = fused_fwd_opath_kernel(2, 8, 128, 128, "bfloat16", SM90, False).get_kernel_source()
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
-    assert barriers == ["10, 128"] * 2 + ["11, 128"] * 2 + ["4, 128"] * 2, barriers
+    assert barriers == ["10, 128"] * 2 + ["11, 128"] * 2, barriers
     assert source.count("__syncthreads()") == 1
+    loads = source[source.index("warpgroup_reg_dealloc<24>"):source.index("warpgroup_reg_dealloc<120>")]
+    zeroed = re.findall(r"\*\(uint4\*\)\(\(\(bfloat16_t\*\)(\w+)\) \+ [^;]*\) = make_uint4", loads)
+    assert zeroed == ["k_s", "v_s", "a_s"], zeroed
+    assert loads.index("last[0].wait(0)") < loads.index("fence_proxy_async") < loads.rindex("full[(c % 3)].arrive()")
+    consumers = source[source.index("warpgroup_reg_dealloc<120>"):]
+    assert "make_uint4" not in consumers
     kkt = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", False, False).get_kernel_source()
     signature = kkt[kkt.index("__global__"):].split("{")[0]
     assert not re.search(r"\b[qP]\b", signature), signature

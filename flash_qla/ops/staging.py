@@ -260,6 +260,28 @@ def zero_ring_rows_past(x_s, valid):
             x_s[i, j] = T.cast(0, x_s.dtype)
 
 
+def zero_rows_past_by_lanes(C: int, W: int, lanes: int):
+    """The macro zero_rows_past_by_lanes(x_s, b, valid, lane): x_s[b, valid:, :] = 0 (x_s[valid:, :] when b is
+    None) in a tile [C, W] (16-bit) by `lanes` threads, lane their index (0 .. lanes - 1): 16-byte stores, no
+    barrier (the caller orders them)."""
+    VEC = 8
+    assert C * W % (lanes * VEC) == 0
+
+    @T.macro
+    def zero(x_s, b, valid, lane):
+        for n in T.serial(C * W // (lanes * VEC)):
+            i = (n * lanes + lane) * VEC // W
+            col = (n * lanes + lane) * VEC % W
+            if i >= valid:
+                for e in T.vectorized(VEC):
+                    if b is None:
+                        x_s[i, col + e] = T.cast(0, x_s.dtype)
+                    else:
+                        x_s[b, i, col + e] = T.cast(0, x_s.dtype)
+
+    return zero
+
+
 def zero_rows_past_by_warpgroup(C: int, W: int):
     """The macro zero_rows_past_by_warpgroup(x_s, b, valid, tx): x_s[b, valid:, :] = 0 (x_s[valid:, :] when b
     is None) in a ring tile [C, W] (16-bit) of a walk with several consumer warpgroups (or TileLang's barriers
@@ -267,28 +289,19 @@ def zero_rows_past_by_warpgroup(C: int, W: int):
 
     Call it after the tile's load was waited for: after a product that reads the tile, or inside the ws_op of
     the first one (TileLang's warp specialization waits for an op's tiles before the op; a store alone is no
-    use of the tile to it, which would not wait for the load before it). Every warpgroup zeroes the whole region (the same values) and waits
-    on a named barrier of its own 128 threads, after a proxy fence that shows the stores to wgmma, so the
-    warpgroups' chains still never wait for each other (another warpgroup's product reading those rows
-    meanwhile takes them into only its results past `valid`, which the walks drop). 16-byte stores.
+    use of the tile to it, which would not wait for the load before it). Every warpgroup zeroes the whole region
+    (the same values) and waits on a named barrier of its own 128 threads, after a proxy fence that shows the
+    stores to wgmma, so the warpgroups' chains still never wait for each other (another warpgroup's product
+    reading those rows meanwhile takes them into only its results past `valid`, which the walks drop).
     """
-    VEC = 8
-    assert C * W % (128 * VEC) == 0
+    zero_rows = zero_rows_past_by_lanes(C, W, 128)
 
     @T.macro
     def zero(x_s, b, valid, tx):
         lane = tx % 128
         T.sync_threads(STAGE_BARRIER + tx // 128, 128)  # ordering nothing, but TileLang's sync pass otherwise puts its
         # own barrier before the call's branch, on every chunk
-        for n in T.serial(C * W // (128 * VEC)):
-            i = (n * 128 + lane) * VEC // W
-            col = (n * 128 + lane) * VEC % W
-            if i >= valid:
-                for e in T.vectorized(VEC):
-                    if b is None:
-                        x_s[i, col + e] = T.cast(0, x_s.dtype)
-                    else:
-                        x_s[b, i, col + e] = T.cast(0, x_s.dtype)
+        zero_rows(x_s, b, valid, lane)
         T.fence_proxy_async()
         T.sync_threads(STAGE_BARRIER + tx // 128, 128)
 

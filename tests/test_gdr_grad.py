@@ -623,11 +623,6 @@ def test_cuda_graph_replays_the_eager_results(entry, monkeypatch):
         assert torch.equal(got, want), f"output {i}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, benchmark/NOTES.md v64: a sequence's last chunk loads up to 63 tokens of the next one and "
-    "cancels them by multiplying by zero, which an Inf survives",
-)
 def test_a_non_finite_sequence_leaves_the_one_before_alone(poisoned):
     """An Inf in the first token of the second of two packed sequences (one request of a serving batch gone bad):
     the first sequence's o, final state and gradients are still its own, as the reference over it alone has them."""

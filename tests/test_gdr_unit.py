@@ -59,6 +59,71 @@ def forward_matches_reference(case):
     assert errors["o"] <= FWD_TOL and errors["final_state"] <= FWD_TOL, errors
 
 
+
+# A batch with one request gone bad: every input of its first token NaN (or Inf), sequence 1 of each batch (and, in
+# training, its rows of dO). Each walk's tiles hold up to 63 tokens past a sequence's end (TMA boxes, chunk_grads'
+# copies), which the kernels zero or select away: multiplied by zero, an Inf or NaN would not cancel. The table
+# reaches every forward walk (id: the walk flash_qla.ops.forward.walk_plan takes, checked), inference and training
+# (whose forward walks keep the states or checkpoints, and whose backward walks at the same widths and the split's
+# run too); each sequence before the bad one ends mid-chunk.
+ISOLATION_CASES = [  # (walk, heads, sequence lengths, training)
+    ("narrow16", (4, 4), (100, 100, 100), False),
+    ("narrow16", (4, 4), (100, 100, 100), True),
+    ("narrow32", (2, 4), (1000,) * 8, True),
+    ("wide64", (4, 8), (1000,) * 8, True),
+    ("wide128", (4, 16), (1000,) * 8, True),
+    ("opath", (2, 4), (1000,) * 8, False),
+    ("split", (2, 4), (30000, 100), False),
+    ("split", (2, 4), (30000, 100), True),
+]
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("walk,heads,seqlens,training", ISOLATION_CASES,
+                         ids=[f"{c[0]}_{'training' if c[3] else 'inference'}" for c in ISOLATION_CASES])  # fmt: skip
+def test_a_non_finite_sequence_leaves_the_others_alone(walk, heads, seqlens, training, bad, poisoned):
+    """The other sequences' o, final states and (training) gradients are bitwise those of the same batch with the
+    bad request's token finite (the products see zeros past a sequence's end either way)."""
+    from flash_qla.arch import SM90
+    from flash_qla.ops.forward import walk_plan
+
+    split, BV, opath = walk_plan(seqlens, heads[1], 128, SM90, True, training, False)
+    assert walk == ("split" if split else "opath" if opath else ("narrow" if BV < 64 else "wide") + str(BV))
+    x, cu, _ = case_inputs(Case("isolation", seqlens, heads=heads), seed=zlib.crc32(walk.encode()))
+    first = seqlens[0]  # sequence 1's first token
+    broken = {name: t.clone() for name, t in x.items()}
+    for t in broken.values():
+        t[0, first] = float(bad)
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(x["v"].shape, generator=gen).to(x["v"])
+    dht = torch.randn(len(seqlens), heads[1], 128, 128, generator=gen).cuda()
+    bounds = cu.tolist()
+    do_broken = do.clone()
+    do_broken[:, bounds[1]:bounds[2]] = float(bad)
+
+    def results(inputs, do):
+        leaves = {name: t.clone().requires_grad_(training) for name, t in inputs.items()}
+        with contextlib.nullcontext() if training else torch.no_grad():
+            o, ht = flash_qla.chunk_gated_delta_rule(**leaves, output_final_state=True, cu_seqlens=cu)
+        out = {"o": o.detach(), "final_state": ht.detach()}
+        if training:
+            grads = torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
+            out.update({"d" + name: grad for name, grad in zip(leaves, grads)})
+        return out
+
+    clean, dirty = results(x, do), results(broken, do_broken)
+    assert all(torch.isfinite(t).all() for t in clean.values())
+    assert not torch.isfinite(dirty["o"][:, bounds[1]:bounds[2]]).all(), "the bad token reached its own sequence"
+    for n in range(len(seqlens)):
+        if n != 1:
+            for name in clean:
+                if name == "final_state":
+                    assert torch.equal(dirty[name][n], clean[name][n]), f"{name} of sequence {n}"
+                else:
+                    rows = slice(bounds[n], bounds[n + 1])
+                    assert torch.equal(dirty[name][:, rows], clean[name][:, rows]), f"{name} of sequence {n}"
+
+
 # inference forwards that take fused_fwd_opath, P formed in the walk (most of CASES do too, at GVA 2, 3, 4 and 8,
 # fp16, h0, zero-length and partial chunks: flash_qla.ops.forward.o_path_pays)
 OPATH_CASES = [

@@ -302,25 +302,32 @@ def test_narrow_backward_walk_waits_for_dv_product_alone(args):
 @pytest.mark.parametrize("states_only", [False, True])
 def test_fused_fwd_wide_chains_share_no_barrier(states_only):
     """The wide walk's consumer warpgroups never wait for each other: its only named barriers (the
-    staging of o, or of h in the recompute) count one warpgroup's threads, and TileLang adds no
-    block-wide barrier of its own."""
+    staging of o, or of h in the recompute, and on a sequence's last chunk the zeroing of k's rows past
+    its end) count one warpgroup's threads, and TileLang adds no block-wide barrier of its own."""
     source = fused_fwd_wide_kernel(16, 32, 128, 128, 128, "bfloat16", SM90, True, True, states_only).get_kernel_source()
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
     assert all(b.endswith(", 128") for b in barriers), barriers
-    # before and after the staging: o's in and after the loop, h's in the loop
-    assert len(barriers) == (2 if states_only else 4)
+    # before and after the staging: o's in and after the loop, h's in the loop; before and after the zeroing
+    assert len(barriers) == (2 if states_only else 4) + 2
     assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
 
 
 def test_opath_walk_roles_meet_at_mbarriers_only():
     """fused_fwd_opath's loads, chain and two O warpgroups hand tiles over by mbarriers: the only named
     barriers are the O warpgroups' own around o's staging (ids 10, 11; TileLang's sync pass is off for
-    this kernel), and the only block-wide one follows the mbarriers' init. kkt_solve without P takes
-    and reads neither q nor P."""
+    this kernel), and the only block-wide one follows the mbarriers' init. The rows past a sequence's end
+    are zeroed by the loading warp (k's, v's and A's, behind an mbarrier of their own), before it hands the
+    slot over, not by a consumer. kkt_solve without P takes and reads neither q nor P."""
     source = fused_fwd_opath_kernel(2, 8, 128, 128, "bfloat16", SM90, False).get_kernel_source()
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
     assert barriers == ["10, 128"] * 2 + ["11, 128"] * 2, barriers
     assert source.count("__syncthreads()") == 1
+    loads = source[source.index("warpgroup_reg_dealloc<24>"):source.index("warpgroup_reg_dealloc<120>")]
+    zeroed = re.findall(r"\*\(uint4\*\)\(\(\(bfloat16_t\*\)(\w+)\) \+ [^;]*\) = make_uint4", loads)
+    assert zeroed == ["k_s", "v_s", "a_s"], zeroed
+    assert loads.index("last[0].wait(0)") < loads.index("fence_proxy_async") < loads.rindex("full[(c % 3)].arrive()")
+    consumers = source[source.index("warpgroup_reg_dealloc<120>"):]
+    assert "make_uint4" not in consumers
     kkt = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", False, False).get_kernel_source()
     signature = kkt[kkt.index("__global__"):].split("{")[0]
     assert not re.search(r"\b[qP]\b", signature), signature
@@ -343,11 +350,13 @@ def test_kkt_backward_mode_writes_the_bounds_and_no_inverse():
 @pytest.mark.parametrize("ends_only", [False, True])
 def test_fused_bwd_wide_chains_share_no_barrier(ends_only):
     """As the wide forward: the backward walk's warpgroups meet at no barrier (the stagings of dh
-    and dv synchronise one warpgroup's threads; the walk keeping only its end stages none)."""
+    and dv, and on a sequence's last chunk the zeroings of P's, k's, A's and q's rows past its end,
+    synchronise one warpgroup's threads; the walk keeping only its end stages none)."""
     source = fused_bwd_wide_kernel(16, 32, 128, 128, 128, "bfloat16", SM90, False, True, ends_only).get_kernel_source()
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
     assert all(b.endswith(", 128") for b in barriers), barriers
-    assert len(barriers) == (0 if ends_only else 4)  # before and after each of the two stagings
+    # before and after each of the two stagings and of the zeroings (p and k together, a, q)
+    assert len(barriers) == (0 if ends_only else 4) + 2 * 4
     assert source.count("__syncthreads()") == 1  # after the ring's mbarrier init
 
 
@@ -450,11 +459,27 @@ def test_chunk_grads_barriers():
     """chunk_grads' reductions stay inside a warp (no exchange between warps through shared memory,
     whose barriers each stalled the block's 8 warps) and the kernel keeps its 15 block-wide barriers:
     10 a v-head, 5 where an item's dq and dk are staged (benchmark/NOTES.md v27: 48 a v-head cost ~5 %
-    of a training step)."""
+    of a training step), and one more in each of the three branches that zero, on a sequence's last
+    chunk, the tiles' rows past its end."""
     source = chunk_grads_kernel(16, 32, 128, 128, "bfloat16", SM90, "bfloat16").get_kernel_source()
     reductions = re.findall(r"AllReduce<tl::SumOp, (\d+),", source)
     assert reductions and all(int(threads) <= 32 for threads in reductions), reductions
-    assert source.count("__syncthreads()") <= 15
+    outside = without_blocks(source, "if (valid < 64) {")
+    assert outside.count("__syncthreads()") <= 15
+    assert source.count("__syncthreads()") - outside.count("__syncthreads()") == 3
+
+
+def without_blocks(source, opening):
+    """source without the blocks that open with `opening` (up to the brace that closes each)."""
+    while opening in source:
+        start = source.index(opening)
+        depth, end = 0, start + len(opening) - 1
+        for end in range(start + len(opening) - 1, len(source)):
+            depth += {"{": 1, "}": -1}.get(source[end], 0)
+            if depth == 0:
+                break
+        source = source[:start] + source[end + 1:]
+    return source
 
 
 def test_a_kernel_asked_for_in_any_spelling_is_built_once():

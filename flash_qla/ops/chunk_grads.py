@@ -43,8 +43,10 @@ tensor-core products are rounded to the input dtype (S and dS' arrive rounded so
 dk of a qk-head sum over its v-heads in fp32 registers in a fixed order (deterministic,
 no atomics on them; in two parts, below, the two parts' fp32 sums are added, the same bits in
 either order) and are rounded once when stored. Rows past the sequence's end (last chunk)
-hold the next sequence's finite data and only ever meet zero factors (e^γ, e^{γ_L − γ},
-Γ, the zero upper triangle of A), so tiles are loaded unmasked.
+hold the next sequence's data and meet only zero factors (e^γ, e^{γ_L − γ}, Γ, the zero upper
+triangle of A); the tiles are copied unmasked, and on a sequence's last chunk the rows past its
+end of A, q, k, V, dO and dU are zeroed once they arrive (staging.zero_rows_past, in branches
+with barriers of their own), so that an Inf or NaN there does not survive its zero factor.
 
 Inputs (packed varlen, T tokens in all):
     q, k       [T, Hqk, K]   input dtype
@@ -146,6 +148,7 @@ import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
+from flash_qla.ops.staging import zero_rows_past
 from flash_qla.reference.backward_stages import BETA_MIN
 
 LOG2E = 1.4426950408889634
@@ -189,6 +192,15 @@ def chunk_grads_kernel(
     def arrived(pending):
         """Wait until at most `pending` copy groups are in flight, then for every thread's copies."""
         T.ptx_wait_group(pending)
+        T.sync_threads()
+
+    @T.macro
+    def zeroed():
+        """After a zeroing of tiles' rows past a sequence's end (staging.zero_rows_past) right behind an
+        `arrived`, in the zeroing's branch: the stores visible to wgmma and to every thread. TileLang's sync
+        pass takes this barrier for the stores' ordering; without it, it puts barriers of its own after the
+        branch, on every v-head of every chunk."""
+        T.fence_proxy_async()
         T.sync_threads()
 
     def pending_after(tile: str) -> int:
@@ -369,6 +381,11 @@ def chunk_grads_kernel(
                         # this v-head's tiles were copied while the previous one computed (and the
                         # item's k and q, between γ and V)
                         arrived(pending_after("γ"))
+                        if valid < C:  # a sequence's last chunk: the next sequence's rows out of every product
+                            zero_rows_past(a_s, valid)
+                            zero_rows_past(k_s, valid)
+                            zero_rows_past(q_s, valid)
+                            zeroed()
                         g_last = gam_s[valid - 1]
                         for i in T.Parallel(C):  # first read after the next wait
                             gc_s[i] = gam_s[i]
@@ -399,6 +416,9 @@ def chunk_grads_kernel(
                         for acc in (KS, KD):
                             T.warpgroup_fence_operand(acc, num_regs=C * V // profile.grads_threads)
                         arrived(pending_after("V"))
+                        if valid < C:
+                            zero_rows_past(u_s, valid)
+                            zeroed()
                         quot = quot_s[0]
                         for i, j in T.Parallel(C, V):
                             KS[i, j] = u_s[i, j] - eg_s[i] * KS[i, j]
@@ -414,6 +434,10 @@ def chunk_grads_kernel(
                         T.reduce_sum(X, rows, dim=2)
                         T.copy(rows, vk_s)
                         arrived(pending_after("dU"))
+                        if valid < C:
+                            zero_rows_past(do_s, valid)
+                            zero_rows_past(du_s, valid)
+                            zeroed()
                         if quot != 0:  # dβ's row sums rowsum(dU ⊙ v_new), over 1 / β² where it is stored
                             for i, j in T.Parallel(C, V):
                                 X[i, j // HALF, j % HALF] = VN[i, j] * du_s[i, j]

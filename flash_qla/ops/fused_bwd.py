@@ -11,9 +11,10 @@ e^{γ_L − γ} zero past the sequence's end, dS' the gradient of the state afte
 
 dv is the gradient of v: v enters only through U = V − diag(e^γ) K S and v_new = A U
 (flash_qla/reference/backward_stages.py has the whole derivation). The walk needs no
-forward state: dS' depends on S only through quantities it never reads. dO rows past the
-sequence's end are zeroed on load, so the rows of P and A that the tile reads from the
-next sequence meet zeros.
+forward state: dS' depends on S only through quantities it never reads. On a sequence's last
+chunk (the walk's first) the tiles' rows past its end are the next sequence's: dO's and dv_new's
+are selected to 0 and those of P, A, q and k zeroed in their tiles (staging.zero_ring_rows_past), so
+not even an Inf or NaN there reaches this sequence (a product with a zero factor would not cancel it).
 
 Inputs (packed varlen, T tokens in all):
     q, k     [T, Hqk, K]    input dtype; v-head h reads qk-head h // (Hv // Hqk)
@@ -60,6 +61,7 @@ import tilelang.language as T
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import kernel_factory
 from flash_qla.ops.negligible import kept_first_chunks
+from flash_qla.ops.staging import zero_ring_rows_past
 
 LOG2E = 1.4426950408889634
 # elements of padding per row of the dv staging tile (the o tile's pattern in fused_fwd:
@@ -185,6 +187,11 @@ def fused_bwd_kernel(
                 T.copy(do_s, DO)
                 for i, j in T.Parallel(C, BV):
                     dom_s[i, j] = T.if_then_else(i < valid, DO[i, j] * scale, 0.0)
+                if valid < C:  # a sequence's last chunk (the walk's first): the next sequence's rows out of
+                    zero_ring_rows_past(p_s, valid)  # Pᵀ dO (dO's rows there are 0: a product of zero and an Inf is
+                    zero_ring_rows_past(k_s, valid)  # no zero), the update's Kᵀ and Qᵀ diag(scale · e^γ) dO
+                    for i, j in T.Parallel(C, BV):
+                        DO[i, j] = T.if_then_else(i < valid, DO[i, j], T.cast(0, dtype))
 
                 # dS <- e^{γ_L} dS' + Qᵀ diag(scale e^γ) dO − Kᵀ diag(e^γ) dv: the decay now (before the
                 # products are issued: ptxas waits for every pending product before registers a product
@@ -202,6 +209,11 @@ def fused_bwd_kernel(
                     T.warpgroup_fence_operand(DVN, num_regs=TILE_REGS)
                 for i, j in T.Parallel(C, BV):
                     DVN[i, j] = DVN[i, j] + KD[i, j] * ed[i]
+                if valid < C:  # out of dv_new (K dS' read k's rows there), Aᵀ dv_new and Qᵀ dO
+                    for i, j in T.Parallel(C, BV):
+                        DVN[i, j] = T.if_then_else(i < valid, DVN[i, j], 0.0)
+                    zero_ring_rows_past(q_s, valid)
+                    zero_ring_rows_past(a_s, valid)
                 T.copy(DVN, dvn_s)
 
                 # dv = Aᵀ dv_new, then Qᵀ diag(scale e^γ) dO into dS behind it: waited for with the update's

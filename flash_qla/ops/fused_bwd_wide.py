@@ -9,9 +9,10 @@ P = Q Kᵀ ⊙ Γ ⊙ Lower, dS'ᵀ the gradient of the state after the chunk, w
     dvᵀ     = dv_newᵀ A                                              [BV, C]
     dSᵀ    <- e^{γ_L} dS'ᵀ + dOᵀ diag(scale · e^γ) Q − dvᵀ diag(e^γ) K   [BV, K]
 
-dS'ᵀ, dOᵀ (scaled, and masked past the sequence's end: P's rows there belong to the next
-sequence), dv_newᵀ and dvᵀ diag(e^γ) are the A operands of the next products, which wgmma
-reads straight from registers (rounded to the input dtype, as fused_bwd rounds them into
+dS'ᵀ, dOᵀ (scaled, and masked past the sequence's end: the tiles' rows there belong to the next
+sequence; P's, A's, q's and k's are zeroed, each consumer warpgroup for itself,
+staging.zero_rows_past_by_warpgroup), dv_newᵀ and dvᵀ diag(e^γ) are the A operands of the next
+products, which wgmma reads straight from registers (rounded to the input dtype, as fused_bwd rounds them into
 shared memory): only the TMA'd q, k, dO, A and P tiles are read from shared memory, and the
 consumers write shared memory only to stage dh and dv for their stores. So the consumer
 warpgroups, one per 64 columns, share the ring's tiles but nothing else: each runs an
@@ -67,6 +68,7 @@ from flash_qla.ops.staging import (
     row_store,
     state_store,
     state_stores_done,
+    zero_rows_past_by_warpgroup,
 )
 
 
@@ -108,6 +110,8 @@ def fused_bwd_wide_kernel(
     store_rows = row_store(BV, C)  # x[t0 : t0 + valid] = Xtᵀ, each warpgroup its own 64 columns
     store_dh = state_store(BV, K)  # dh[c] = dS'ᵀ, each warpgroup its own 64 columns
     load_dot = load_transposed(C)  # dOᵀ from its ring tile, at one warpgroup
+    zero_qk_rows = zero_rows_past_by_warpgroup(C, K)  # on a sequence's last chunk, the rows past its end = 0
+    zero_cc_rows = zero_rows_past_by_warpgroup(C, C)
 
     @T.prim_func
     def fused_bwd_wide(
@@ -202,6 +206,9 @@ def fused_bwd_wide_kernel(
 
                 # (K dS')ᵀ and (Pᵀ dO)ᵀ (the dv chain) in flight together
                 with T.ws_op("k_s_p_s"):  # one op: the ring frees p_s only after the wait
+                    if valid < C:  # a sequence's last chunk (the walk's first): the next sequence's rows out
+                        zero_cc_rows(p_s, None, valid, tx)  # of dOᵀ P (dOᵀ's columns there are 0: a product
+                        zero_qk_rows(k_s, None, valid, tx)  # of zero and an Inf is no zero) and the update's K
                     T.wgmma_gemm(Db, k_s, KDt, transpose_B=True, clear_accum=True, policy=ROWS)
                     T.wgmma_gemm(DOm, p_s, DVNt, clear_accum=True, policy=ROWS)
                     T.wait_wgmma(0)
@@ -209,10 +216,16 @@ def fused_bwd_wide_kernel(
                     T.warpgroup_fence_operand(DVNt, num_regs=TILE_REGS)
                 for j, i in T.Parallel(BV, C):
                     DVNb[j, i] = DVNt[j, i] + KDt[j, i] * ed[i]
+                if valid < C:  # columns past the end: (K dS')ᵀ's there read k's rows of the next sequence
+                    for j, i in T.Parallel(BV, C):
+                        DVNb[j, i] = T.if_then_else(i < valid, DVNb[j, i], T.cast(0, dtype))
 
                 # dvᵀ = dv_newᵀ A, then dSᵀ <- e^{γ_L} dS'ᵀ + dOᵀ diag(scale · e^γ) Q − dvᵀ diag(e^γ) K,
                 # both update products in flight together with the dv store under them
-                T.gemm(DVNb, a_s, DVt, clear_accum=True, policy=ROWS)
+                with T.ws_op("a_s"):  # one op: the zeroing after the tile's wait
+                    if valid < C:
+                        zero_cc_rows(a_s, None, valid, tx)
+                    T.gemm(DVNb, a_s, DVt, clear_accum=True, policy=ROWS)
                 decay = gates_s[0, valid - 1]
                 for j, d in T.Parallel(BV, K):
                     dSt[j, d] = dSt[j, d] * decay
@@ -225,9 +238,14 @@ def fused_bwd_wide_kernel(
                     for j, i in T.Parallel(BV, C):
                         DUe[j, i] = -DVt[j, i] * eg[i]
                         DOe[j, i] = do_s[i, j] * (scale * eg[i])
+                if valid < C:  # dO's columns past the end are the next sequence's
+                    for j, i in T.Parallel(BV, C):
+                        DOe[j, i] = T.if_then_else(i < valid, DOe[j, i], T.cast(0, dtype))
                 if not ENDS_ONLY:
                     T.copy(DVt, DVb)
                 with T.ws_op("k_s_q_s"):  # one op: the ring frees k_s and q_s only after the wait
+                    if valid < C:
+                        zero_qk_rows(q_s, None, valid, tx)
                     T.wgmma_gemm(DOe, q_s, dSt, policy=ROWS)
                     T.wgmma_gemm(DUe, k_s, dSt, policy=ROWS)
                     if not ENDS_ONLY:

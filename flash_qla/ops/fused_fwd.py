@@ -60,9 +60,11 @@ chain), the gate factors, and V read from the ring into registers.
 The per-row gate factors e^γ and e^{γ_L − γ} live in registers laid out like the
 accumulators' rows (each thread computes its own rows'), so the element-wise steps of the
 chain read no shared memory besides their tile (17 % faster per chunk than staging them).
-Tokens past the end of the sequence (last chunk) are masked: their gate factors are 0,
-so nothing of the next sequence's rows that the tile loads reaches S, and their rows of
-o are not stored.
+Tokens past the end of the sequence (last chunk) are masked: their gate factors are 0, their
+rows of V − diag(e^γ) K S and of v_new are selected to 0 and, after K S, their rows of the k
+tile are zeroed (staging.zero_rows_past), so nothing of the next sequence's rows that the tiles
+load reaches S or o, not even an Inf or NaN (a product with a zero factor would not cancel it);
+their rows of o are not stored.
 """
 
 import tilelang
@@ -71,6 +73,7 @@ import tilelang.language as T
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import kernel_factory
 from flash_qla.ops.negligible import walk_start
+from flash_qla.ops.staging import zero_rows_past
 
 LOG2E = 1.4426950408889634
 # elements of padding per row of the o staging tile: the accumulator's 4-byte stores of a
@@ -249,6 +252,13 @@ def fused_fwd_kernel(
                     T.warpgroup_fence_operand(W, num_regs=TILE_REGS)
                     if not STATES_ONLY:
                         T.warpgroup_fence_operand(O, num_regs=TILE_REGS)
+                if valid < C:  # a sequence's last chunk: the next sequence's rows (past valid) out of the
+                    zero_rows_past(k_s, valid)  # update's Kᵀ, and of U = V − diag(e^γ) K S (K S's rows there read k's)
+                    for i, j in T.Parallel(C, BV):
+                        W[i, j] = T.if_then_else(i < valid, W[i, j], 0.0)
+                    if not MAPS:
+                        for i, j in T.Parallel(C, BV):
+                            VF[i, j] = T.if_then_else(i < valid, VF[i, j], T.cast(0, dtype))
                 if MAPS:  # V = 0
                     for i, j in T.Parallel(C, BV):
                         u_s[i, j] = -W[i, j] * eg[i]
@@ -256,6 +266,9 @@ def fused_fwd_kernel(
                     for i, j in T.Parallel(C, BV):
                         u_s[i, j] = VF[i, j] - W[i, j] * eg[i]
                 T.gemm(a_s, u_s, VN, clear_accum=True)
+                if valid < C:  # A's rows there are the next sequence's
+                    for i, j in T.Parallel(C, BV):
+                        VN[i, j] = T.if_then_else(i < valid, VN[i, j], 0.0)
                 for i, j in T.Parallel(C, BV):
                     vd_s[i, j] = VN[i, j] * ed[i]
                 if not STATES_ONLY:

@@ -33,7 +33,12 @@ Outputs:
 Schedule: grid (V / 64, Hv, N), 512 threads, one block an SM (216 320 bytes of shared memory):
 - warp 0 streams k, the gates, v, A, q and γ of each chunk by TMA into a 3-deep ring (full /
   empty mbarriers; a slot is free once the chain and the chunk's O warpgroup have read it);
-  its warpgroup keeps 24 registers a thread (setmaxnreg);
+  its warpgroup keeps 24 registers a thread (setmaxnreg). A sequence's last chunk, when it ends
+  before the tile does, it loads onto an mbarrier of its own, waits for it, zeroes the rows past
+  the end of k, v and A (the next sequence's: so nothing of them, not even an Inf or NaN, reaches
+  S or o, where gate factors and masks of 0 would not cancel it) and only then hands the slot
+  over; the consumers' loops carry no masking of their own (the chain's, zeroing and selecting
+  itself, ran 7 % slower on every chunk: benchmark/NOTES.md, session 66);
 - warpgroup 3, the chain (240 registers): as fused_fwd_wide's at BV = 64, with Sᵀ (rounded)
   staged for the O path under Sᵀ Kᵀ and v_newᵀ under the state update, each by stmatrix into the
   tile of the chunk's parity (mbarriers sfull / sempty, vfull / vempty, one pair a parity), and
@@ -79,7 +84,7 @@ from tilelang.transform import PassConfigKey
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
-from flash_qla.ops.staging import load_transposed, stage_rows
+from flash_qla.ops.staging import load_transposed, stage_rows, zero_rows_past_by_lanes
 
 LOG2E = 1.4426950408889634
 BV = 64  # one chain: the V-tile is wgmma's M of one warpgroup
@@ -105,6 +110,19 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
     stage_s = stage_rows(K)
     stage_vn = stage_rows(C)
     load_vt = load_transposed(C)
+    zero_k_rows = zero_rows_past_by_lanes(C, K, 32)  # by the loading warp, on a sequence's last chunk
+    zero_v_rows = zero_rows_past_by_lanes(C, BV, 32)
+    zero_a_rows = zero_rows_past_by_lanes(C, C, 32)
+
+    @T.macro
+    def load_chunk(q, k, v, A, gates, gamma, q_s, k_s, v_s, a_s, gates_s, gam_s, s, t0, slot, ihk, ih, v0, bars, b):
+        """A chunk's tiles (slot its gates' and γ's) into ring slot s by TMA, onto mbarrier bars[b]."""
+        T.tma_copy(k[t0:t0 + C, ihk, :], k_s[s, :, :], barrier=bars[b])
+        T.tma_copy(gates[ih, slot, :, :], gates_s[s, :, :], barrier=bars[b])
+        T.tma_copy(v[t0:t0 + C, ih, v0:v0 + BV], v_s[s, :, :], barrier=bars[b])
+        T.tma_copy(A[t0:t0 + C, ih, :], a_s[s, :, :], barrier=bars[b])
+        T.tma_copy(q[t0:t0 + C, ihk, :], q_s[s, :, :], barrier=bars[b])
+        T.tma_copy(gamma[ih, slot, :], gam_s[s, :], barrier=bars[b])
 
     @T.macro
     def o_path(
@@ -196,6 +214,7 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
             # whole 16-byte row pieces, which the swizzle keeps whole
             T.annotate_layout({x: make_full_bank_swizzled_layout(x) for x in (o_s, v_s, s_buf, vn_buf)})
             full = T.alloc_barrier([32] * STAGES)
+            last = T.alloc_barrier([32])  # a sequence's last chunk's loads, when it ends before the tile
             empty = T.alloc_barrier([256] * STAGES)  # the chain and the chunk's O warpgroup
             sfull = T.alloc_barrier([128, 128])
             sempty = T.alloc_barrier([128, 128])
@@ -229,13 +248,19 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
                     for c in T.serial(T.ceildiv(seqlen, C)):
                         s = c % STAGES
                         t0 = bos + c * C
+                        valid = T.min(C, seqlen - c * C)
+                        tiles = (q, k, v, A, gates, gamma, q_s, k_s, v_s, a_s, gates_s, gam_s)
                         T.mbarrier_wait_parity(empty[s], ((c // STAGES) & 1) ^ 1)
-                        T.tma_copy(k[t0:t0 + C, ihk, :], k_s[s, :, :], barrier=full[s])
-                        T.tma_copy(gates[ih, first_chunk + c, :, :], gates_s[s, :, :], barrier=full[s])
-                        T.tma_copy(v[t0:t0 + C, ih, v0:v0 + BV], v_s[s, :, :], barrier=full[s])
-                        T.tma_copy(A[t0:t0 + C, ih, :], a_s[s, :, :], barrier=full[s])
-                        T.tma_copy(q[t0:t0 + C, ihk, :], q_s[s, :, :], barrier=full[s])
-                        T.tma_copy(gamma[ih, first_chunk + c, :], gam_s[s, :], barrier=full[s])
+                        if valid == C:
+                            load_chunk(*tiles, s, t0, first_chunk + c, ihk, ih, v0, full, s)
+                        else:  # the next sequence's rows out (module docstring), then the hand-over
+                            load_chunk(*tiles, s, t0, first_chunk + c, ihk, ih, v0, last, 0)
+                            T.mbarrier_arrive(last[0])
+                            T.mbarrier_wait_parity(last[0], 0)
+                            zero_k_rows(k_s, s, valid, tx)
+                            zero_v_rows(v_s, s, valid, tx)
+                            zero_a_rows(a_s, s, valid, tx)
+                            T.fence_proxy_async()  # the stores, before the consumers' products read the tiles
                         T.mbarrier_arrive(full[s])
             elif tx < 256:
                 T.set_max_nreg(REGS_O, 0)

@@ -1,8 +1,10 @@
 """Fused chunked forward for V-tiles of 64 and 128: the walk of fused_fwd with the state transposed.
 
 Computes what fused_fwd computes (o, the final state and, when asked, h; the same
-math, rounding and masking), for V-tiles of BV = 64 · (consumer warpgroups) columns, with
-every product transposed so that the V columns are its M side:
+math, rounding and masking: on a sequence's last chunk each consumer warpgroup zeroes the k
+tile's rows past the end itself, staging.zero_rows_past_by_warpgroup), for V-tiles of
+BV = 64 · (consumer warpgroups) columns, with every product transposed so that the V columns are
+its M side:
 
     Wᵀ     = Sᵀ Kᵀ                                             [BV, C]
     Uᵀ     = Vᵀ − Wᵀ diag(e^γ)                                 [BV, C]
@@ -63,6 +65,7 @@ from flash_qla.ops.staging import (
     row_store,
     state_store,
     state_stores_done,
+    zero_rows_past_by_warpgroup,
 )
 
 
@@ -115,6 +118,7 @@ def fused_fwd_wide_kernel(
 
     store_o = row_store(BV, C)  # o[t0 : t0 + valid] = Otᵀ, each warpgroup its own 64 columns
     store_h = state_store(BV, K)  # h[c] = Sbᵀ (the recompute's), each warpgroup its own 64 columns
+    zero_k_rows = zero_rows_past_by_warpgroup(C, K)  # k_s[valid:] = 0, each warpgroup for itself
 
     @T.prim_func
     def fused_fwd_wide(
@@ -221,13 +225,21 @@ def fused_fwd_wide_kernel(
                     T.warpgroup_fence_operand(Wt, num_regs=TILE_REGS)
                     if not STATES_ONLY:
                         T.warpgroup_fence_operand(Ot, num_regs=TILE_REGS)
+                if valid < C:  # a sequence's last chunk: the next sequence's k rows out of the update
+                    zero_k_rows(k_s, None, valid, tx)
                 if MAPS:  # V = 0
                     for j, i in T.Parallel(BV, C):
                         Ub[j, i] = -Wt[j, i] * eg[i]
                 else:
                     for j, i in T.Parallel(BV, C):
                         Ub[j, i] = v_s[i, j] - Wt[j, i] * eg[i]
+                if valid < C:  # and out of Uᵀ (from V's and K S's columns there) and v_newᵀ (from A's rows)
+                    for j, i in T.Parallel(BV, C):
+                        Ub[j, i] = T.if_then_else(i < valid, Ub[j, i], T.cast(0, dtype))
                 T.gemm(Ub, a_s, VNt, transpose_B=True, clear_accum=True, policy=ROWS)
+                if valid < C:
+                    for j, i in T.Parallel(BV, C):
+                        VNt[j, i] = T.if_then_else(i < valid, VNt[j, i], 0.0)
                 for j, i in T.Parallel(BV, C):
                     VDb[j, i] = VNt[j, i] * ed[i]
                 if not STATES_ONLY:

@@ -231,3 +231,78 @@ def state_store(BV: int, K: int):
 def state_stores_done():
     """Wait until the last state_store has read its staging tile (before the block's shared memory goes)."""
     T.tma_store_wait(0)
+
+
+# A sequence's last chunk: the walks' ring tiles are TMA boxes of C rows, so there the rows past `valid` come from
+# the next sequence. The products' gate factors and masks multiply them by zero, which does not cancel an Inf or
+# NaN: zeroed, a non-finite token reaches no other sequence's results.
+
+
+@T.macro
+def zero_rows_past(x_s, valid):
+    """x_s[valid:, :] = 0 in a tile [C, W] whose load was waited for (behind a product that read the ring tile,
+    or chunk_grads' copies' wait), by the block's threads as TileLang lays the loop out."""
+    for i, j in T.Parallel(x_s.shape[0], x_s.shape[1]):
+        if i >= valid:
+            x_s[i, j] = T.cast(0, x_s.dtype)
+
+
+@T.macro
+def zero_ring_rows_past(x_s, valid):
+    """zero_rows_past for a ring tile of a warp-specialized walk with one consumer warpgroup (whose barriers
+    TileLang places), wherever the call stands: it reads one element of the tile first, so that TileLang's
+    warp specialization waits for the tile's load before the zeroing (a store alone is no use of the tile
+    to it). A read-modify-write of the whole tile does as well, but took a barrier per row group."""
+    seen = T.alloc_var(x_s.dtype)
+    seen = x_s[0, 0]  # noqa: F841 (read for its wait)
+    for i, j in T.Parallel(x_s.shape[0], x_s.shape[1]):
+        if i >= valid:
+            x_s[i, j] = T.cast(0, x_s.dtype)
+
+
+def zero_rows_past_by_lanes(C: int, W: int, lanes: int):
+    """The macro zero_rows_past_by_lanes(x_s, b, valid, lane): x_s[b, valid:, :] = 0 (x_s[valid:, :] when b is
+    None) in a tile [C, W] (16-bit) by `lanes` threads, lane their index (0 .. lanes - 1): 16-byte stores, no
+    barrier (the caller orders them)."""
+    VEC = 8
+    assert C * W % (lanes * VEC) == 0
+
+    @T.macro
+    def zero(x_s, b, valid, lane):
+        for n in T.serial(C * W // (lanes * VEC)):
+            i = (n * lanes + lane) * VEC // W
+            col = (n * lanes + lane) * VEC % W
+            if i >= valid:
+                for e in T.vectorized(VEC):
+                    if b is None:
+                        x_s[i, col + e] = T.cast(0, x_s.dtype)
+                    else:
+                        x_s[b, i, col + e] = T.cast(0, x_s.dtype)
+
+    return zero
+
+
+def zero_rows_past_by_warpgroup(C: int, W: int):
+    """The macro zero_rows_past_by_warpgroup(x_s, b, valid, tx): x_s[b, valid:, :] = 0 (x_s[valid:, :] when b
+    is None) in a ring tile [C, W] (16-bit) of a walk with several consumer warpgroups (or TileLang's barriers
+    off), each zeroing for itself (tx the consumer thread index).
+
+    Call it after the tile's load was waited for: after a product that reads the tile, or inside the ws_op of
+    the first one (TileLang's warp specialization waits for an op's tiles before the op; a store alone is no
+    use of the tile to it, which would not wait for the load before it). Every warpgroup zeroes the whole region
+    (the same values) and waits on a named barrier of its own 128 threads, after a proxy fence that shows the
+    stores to wgmma, so the warpgroups' chains still never wait for each other (another warpgroup's product
+    reading those rows meanwhile takes them into only its results past `valid`, which the walks drop).
+    """
+    zero_rows = zero_rows_past_by_lanes(C, W, 128)
+
+    @T.macro
+    def zero(x_s, b, valid, tx):
+        lane = tx % 128
+        T.sync_threads(STAGE_BARRIER + tx // 128, 128)  # ordering nothing, but TileLang's sync pass otherwise puts its
+        # own barrier before the call's branch, on every chunk
+        zero_rows(x_s, b, valid, lane)
+        T.fence_proxy_async()
+        T.sync_threads(STAGE_BARRIER + tx // 128, 128)
+
+    return zero

@@ -284,8 +284,8 @@ def zero_rows_past_by_lanes(C: int, W: int, lanes: int):
 
 def zero_rows_past_by_warpgroup(C: int, W: int):
     """The macro zero_rows_past_by_warpgroup(x_s, b, valid, tx): x_s[b, valid:, :] = 0 (x_s[valid:, :] when b
-    is None) in a ring tile [C, W] (16-bit) of a walk with several consumer warpgroups (or TileLang's barriers
-    off), each zeroing for itself (tx the consumer thread index).
+    is None) in a ring tile [C, W] (16-bit) of a walk with several consumer warpgroups (fused_fwd_wide,
+    fused_bwd_wide), each zeroing for itself (tx the consumer thread index).
 
     Call it after the tile's load was waited for: after a product that reads the tile, or inside the ws_op of
     the first one (TileLang's warp specialization waits for an op's tiles before the op; a store alone is no

@@ -59,7 +59,6 @@ def forward_matches_reference(case):
     assert errors["o"] <= FWD_TOL and errors["final_state"] <= FWD_TOL, errors
 
 
-
 # A batch with one request gone bad: every input of its first token NaN (or Inf), sequence 1 of each batch (and, in
 # training, its rows of dO). Each walk's tiles hold up to 63 tokens past a sequence's end (TMA boxes, chunk_grads'
 # copies), which the kernels zero or select away: multiplied by zero, an Inf or NaN would not cancel. The table

@@ -255,9 +255,7 @@ def zero_ring_rows_past(x_s, valid):
     to it). A read-modify-write of the whole tile does as well, but took a barrier per row group."""
     seen = T.alloc_var(x_s.dtype)
     seen = x_s[0, 0]  # noqa: F841 (read for its wait)
-    for i, j in T.Parallel(x_s.shape[0], x_s.shape[1]):
-        if i >= valid:
-            x_s[i, j] = T.cast(0, x_s.dtype)
+    zero_rows_past(x_s, valid)
 
 
 def zero_rows_past_by_lanes(C: int, W: int, lanes: int):

@@ -2,6 +2,7 @@
 
     python benchmark/bench_gated_delta_rule.py [--mode fwd|train|bwd] [--full] [--heads 16/32 ...]
                                                [--seqs 1x32768 ...] [--reps 30] [--warmup 5] [--keep-states]
+                                               [--one-process]
                                                [--out benchmark/benchmark_results_H200.txt [--append]]
 
 What one timed call is, per --mode (q, k, v, g, beta from make_inputs; do, dht random, seed 1):
@@ -26,19 +27,29 @@ median of --reps after warm-up. Whole call: host wall clock from a synchronised 
 the synchronised end of one call, median. FLA runs with FLA_FLASH_QLA=0 so it does not
 dispatch to us, on the same inputs in the same process, with its defaults otherwise (its Triton
 kernels; on Hopper with Triton 3.4-3.7 its backward's dq / dk / dw / dg step is FLA's TileLang kernel;
-its opt-in intra-card context parallelism off); the header names the Triton version. floor = max(FLOP / 789 TFLOP/s,
+its opt-in intra-card context parallelism off); the header names the Triton version.
+Each config runs in a fresh process of its own (ours and FLA's side by side in it), and with
+FLA_CACHE_RESULTS=0: FLA's autotuner keys leave the sequence lengths out (e.g. ['H', 'HV', 'K', 'V',
+'BT', 'STATE_V_FIRST'] for its state walk), so within a process the first pattern of a head layout
+picks the configurations of every later one, and with its results cached on disk (its default) so
+does the first pattern of any earlier run; here each pattern tunes its own. --one-process times every
+config in this process instead (faster; FLA's later patterns of a layout then run the first one's
+choices). floor = max(FLOP / 789 TFLOP/s,
 bytes / 4.28 TB/s) with DESIGN.md §1's forward counts, printed in fwd mode only: §1 counts
 no backward, and the backward's least work depends on what it chooses to recompute.
 """
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 os.environ["FLA_FLASH_QLA"] = "0"  # before fla is imported: FLA must not dispatch to us
+os.environ["FLA_CACHE_RESULTS"] = "0"  # FLA tunes in each run, not from an earlier run's disk cache (docstring)
 
 import torch  # noqa: E402
 
@@ -177,7 +188,9 @@ def make_step(mode, call, saved_backward, x, do, dht):
     return lambda: bwd(do, dht)
 
 
-def bench_config(mode, heads, seqs, fla_api, reps, warmup, keep_states=None):
+def bench_config(args, heads, seqs, fla_api):
+    """The row of one config, timed in this process: floor, and each implementation's call and kernel ms."""
+    mode, reps, warmup, keep_states = args.mode, args.reps, args.warmup, args.keep_states or None
     Hqk, Hv = (int(x) for x in heads.split("/"))
     seqlens = parse_seqs(seqs)
     T, K, V = sum(seqlens), 128, 128
@@ -194,6 +207,17 @@ def bench_config(mode, heads, seqs, fla_api, reps, warmup, keep_states=None):
         row[f"{name}_call"] = call_ms(fn, reps)
         row[f"{name}_kernel"] = kernel_ms(fn, reps, sleep_ms=1 + row[f"{name}_call"])
     return row
+
+
+def bench_in_fresh_process(args, heads, seqs):
+    """bench_config's row for one config, run in a child process of this script (module docstring)."""
+    command = [sys.executable, __file__, "--child", "--mode", args.mode, "--heads", heads, "--seqs", seqs]
+    command += ["--reps", str(args.reps), "--warmup", str(args.warmup)] + ["--keep-states"] * args.keep_states
+    child = subprocess.run(command, capture_output=True, text=True)
+    if child.returncode != 0:
+        sys.stderr.write(child.stdout + child.stderr)
+        raise SystemExit(f"{heads} {seqs}: the child process failed (exit status {child.returncode})")
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 def format_line(cells, with_floor):
@@ -217,7 +241,12 @@ def main():
     parser.add_argument("--out", help="also write the table here (overwritten), under the command, versions, GPU, mode")
     parser.add_argument("--append", action="store_true", help="add the table at the end of --out, not overwrite it")
     parser.add_argument("--keep-states", action="store_true", help="train mode: ours with keep_states=True")
+    parser.add_argument("--one-process", action="store_true", help="every config in this process (docstring)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one config, its row as JSON
     args = parser.parse_args()
+    if args.child:
+        print(json.dumps(bench_config(args, args.heads[0], args.seqs[0], load_fla()[0])))
+        return
     if args.append and not args.out:
         parser.error("--append needs --out")
     if args.keep_states and args.mode != "train":
@@ -236,12 +265,13 @@ def main():
         "# " + " ".join(["python", *sys.argv]),
         f"# GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, flash_qla {flash_qla.__version__}, "
         f"fla {fla_version} (FLA_FLASH_QLA=0), triton {triton_version()}, bf16, K = V = 128, mode {args.mode} ({MODES[args.mode]}"
-        f"{'; ours with keep_states=True' if args.keep_states else ''}), ms (median of {args.reps})",
+        f"{'; ours with keep_states=True' if args.keep_states else ''}), ms (median of {args.reps}"
+        f"{', every config in one process' if args.one_process else ', a fresh process per config'})",
         format_line(HEADER, with_floor),
     ]
     print("\n".join(lines), flush=True)
     for heads, seqs in configs:
-        r = bench_config(args.mode, heads, seqs, fla_api, args.reps, args.warmup, args.keep_states or None)
+        r = bench_config(args, heads, seqs, fla_api) if args.one_process else bench_in_fresh_process(args, heads, seqs)
         ours_k, ours_c = r["ours_kernel"], r["ours_call"]
         fla_k, fla_c = r.get("fla_kernel", float("nan")), r.get("fla_call", float("nan"))
         line = format_line(

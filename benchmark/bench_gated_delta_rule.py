@@ -25,7 +25,8 @@ the events see only the GPU work of the call (all of its kernels, gaps between t
 included; a call that syncs the device inside also shows its host work after the sync);
 median of --reps after warm-up. Whole call: host wall clock from a synchronised start to
 the synchronised end of one call, median. FLA runs with FLA_FLASH_QLA=0 so it does not
-dispatch to us, on the same inputs in the same process, with its defaults otherwise (its Triton
+dispatch to us and with FLA_CACHE_RESULTS=0 (below), on the same inputs in the same process, with its defaults
+otherwise (its Triton
 kernels; on Hopper with Triton 3.4-3.7 its backward's dq / dk / dw / dg step is FLA's TileLang kernel;
 its opt-in intra-card context parallelism off); the header names the Triton version.
 Each config runs in a fresh process of its own (ours and FLA's side by side in it), and with
@@ -34,9 +35,9 @@ FLA_CACHE_RESULTS=0: FLA's autotuner keys leave the sequence lengths out (e.g. [
 picks the configurations of every later one, and with its results cached on disk (its default) so
 does the first pattern of any earlier run; here each pattern tunes its own. --one-process times every
 config in this process instead (faster; FLA's later patterns of a layout then run the first one's
-choices). floor = max(FLOP / 789 TFLOP/s,
-bytes / 4.28 TB/s) with DESIGN.md §1's forward counts, printed in fwd mode only: §1 counts
-no backward, and the backward's least work depends on what it chooses to recompute.
+choices).
+floor = max(FLOP / 789 TFLOP/s, bytes / 4.28 TB/s) with DESIGN.md §1's forward counts, printed in fwd
+mode only: §1 counts no backward, and the backward's least work depends on what it chooses to recompute.
 """
 
 import argparse

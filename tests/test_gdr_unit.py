@@ -64,7 +64,8 @@ def forward_matches_reference(case):
 # copies), which the kernels zero or select away: multiplied by zero, an Inf or NaN would not cancel. The table
 # reaches every forward walk (id: the walk flash_qla.ops.forward.walk_plan takes, checked), inference and training
 # (whose forward walks keep the states or checkpoints, and whose backward walks at the same widths and the split's
-# run too); each sequence before the bad one ends mid-chunk.
+# run too); each sequence before the bad one ends mid-chunk. The training cases run again with finite inputs and
+# only sequence 1's dO rows and dht non-finite: the backward kernels' zeroing on its own.
 ISOLATION_CASES = [  # (walk, heads, sequence lengths, training)
     ("narrow16", (4, 4), (100, 100, 100), False),
     ("narrow16", (4, 4), (100, 100, 100), True),
@@ -77,50 +78,81 @@ ISOLATION_CASES = [  # (walk, heads, sequence lengths, training)
 ]
 
 
-@pytest.mark.parametrize("bad", ["nan", "inf"])
-@pytest.mark.parametrize("walk,heads,seqlens,training", ISOLATION_CASES,
-                         ids=[f"{c[0]}_{'training' if c[3] else 'inference'}" for c in ISOLATION_CASES])  # fmt: skip
-def test_a_non_finite_sequence_leaves_the_others_alone(walk, heads, seqlens, training, bad, poisoned):
-    """The other sequences' o, final states and (training) gradients are bitwise those of the same batch with the
-    bad request's token finite (the products see zeros past a sequence's end either way)."""
+def isolation_inputs(walk, heads, seqlens, training):
+    """The case's clean inputs, cu_seqlens, dO and dht (training), after checking that the planner takes walk."""
     from flash_qla.arch import SM90
     from flash_qla.ops.forward import walk_plan
 
     split, BV, opath = walk_plan(seqlens, heads[1], 128, SM90, True, training, False)
     assert walk == ("split" if split else "opath" if opath else ("narrow" if BV < 64 else "wide") + str(BV))
     x, cu, _ = case_inputs(Case("isolation", seqlens, heads=heads), seed=zlib.crc32(walk.encode()))
-    first = seqlens[0]  # sequence 1's first token
-    broken = {name: t.clone() for name, t in x.items()}
-    for t in broken.values():
-        t[0, first] = float(bad)
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(x["v"].shape, generator=gen).to(x["v"])
     dht = torch.randn(len(seqlens), heads[1], 128, 128, generator=gen).cuda()
-    bounds = cu.tolist()
-    do_broken = do.clone()
-    do_broken[:, bounds[1]:bounds[2]] = float(bad)
+    return x, cu, do, dht
 
-    def results(inputs, do):
-        leaves = {name: t.clone().requires_grad_(training) for name, t in inputs.items()}
-        with contextlib.nullcontext() if training else torch.no_grad():
-            o, ht = flash_qla.chunk_gated_delta_rule(**leaves, output_final_state=True, cu_seqlens=cu)
-        out = {"o": o.detach(), "final_state": ht.detach()}
-        if training:
-            grads = torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
-            out.update({"d" + name: grad for name, grad in zip(leaves, grads)})
-        return out
 
-    clean, dirty = results(x, do), results(broken, do_broken)
-    assert all(torch.isfinite(t).all() for t in clean.values())
-    assert not torch.isfinite(dirty["o"][:, bounds[1]:bounds[2]]).all(), "the bad token reached its own sequence"
-    for n in range(len(seqlens)):
-        if n != 1:
+def isolation_results(inputs, cu, do, dht, training):
+    """o and final_state of a call and, training, the gradients of every input (named d + input)."""
+    leaves = {name: t.clone().requires_grad_(training) for name, t in inputs.items()}
+    with contextlib.nullcontext() if training else torch.no_grad():
+        o, ht = flash_qla.chunk_gated_delta_rule(**leaves, output_final_state=True, cu_seqlens=cu)
+    out = {"o": o.detach(), "final_state": ht.detach()}
+    if training:
+        grads = torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
+        out.update({"d" + name: grad for name, grad in zip(leaves, grads)})
+    return out
+
+
+def assert_others_unchanged(clean, dirty, bounds, bad_sequence):
+    """Every sequence but bad_sequence has bitwise the same rows (states) in dirty as in clean."""
+    for n in range(len(bounds) - 1):
+        if n != bad_sequence:
             for name in clean:
                 if name == "final_state":
                     assert torch.equal(dirty[name][n], clean[name][n]), f"{name} of sequence {n}"
                 else:
                     rows = slice(bounds[n], bounds[n + 1])
                     assert torch.equal(dirty[name][:, rows], clean[name][:, rows]), f"{name} of sequence {n}"
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("walk,heads,seqlens,training", ISOLATION_CASES,
+                         ids=[f"{c[0]}_{'training' if c[3] else 'inference'}" for c in ISOLATION_CASES])  # fmt: skip
+def test_a_non_finite_sequence_leaves_the_others_alone(walk, heads, seqlens, training, bad, poisoned):
+    """The other sequences' o, final states and (training) gradients are bitwise those of the same batch with the
+    bad request's token finite (the products see zeros past a sequence's end either way)."""
+    x, cu, do, dht = isolation_inputs(walk, heads, seqlens, training)
+    bounds = cu.tolist()
+    broken = {name: t.clone() for name, t in x.items()}
+    for t in broken.values():
+        t[0, bounds[1]] = float(bad)  # sequence 1's first token
+    do_broken = do.clone()
+    do_broken[:, bounds[1]:bounds[2]] = float(bad)
+
+    clean, dirty = isolation_results(x, cu, do, dht, training), isolation_results(broken, cu, do_broken, dht, training)
+    assert all(torch.isfinite(t).all() for t in clean.values())
+    assert not torch.isfinite(dirty["o"][:, bounds[1]:bounds[2]]).all(), "the bad token reached its own sequence"
+    assert_others_unchanged(clean, dirty, bounds, bad_sequence=1)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("walk,heads,seqlens", [c[:3] for c in ISOLATION_CASES if c[3]],
+                         ids=[c[0] for c in ISOLATION_CASES if c[3]])  # fmt: skip
+def test_a_non_finite_gradient_leaves_the_others_alone(walk, heads, seqlens, bad, poisoned):
+    """The backward's isolation alone: finite inputs (the forward is the clean batch's), sequence 1's rows of dO
+    and its dht non-finite; the other sequences' gradients are bitwise the clean batch's. (The test above breaks
+    the forward too, whose outputs then fail first.)"""
+    x, cu, do, dht = isolation_inputs(walk, heads, seqlens, training=True)
+    bounds = cu.tolist()
+    do_broken, dht_broken = do.clone(), dht.clone()
+    do_broken[:, bounds[1]:bounds[2]] = float(bad)
+    dht_broken[1] = float(bad)
+
+    clean, dirty = isolation_results(x, cu, do, dht, True), isolation_results(x, cu, do_broken, dht_broken, True)
+    assert all(torch.isfinite(t).all() for t in clean.values())
+    assert not torch.isfinite(dirty["dv"][:, bounds[1]:bounds[2]]).all(), "the bad gradient reached its own sequence"
+    assert_others_unchanged(clean, dirty, bounds, bad_sequence=1)
 
 
 # inference forwards that take fused_fwd_opath, P formed in the walk (most of CASES do too, at GVA 2, 3, 4 and 8,

@@ -8,13 +8,21 @@ overlap, so a call's span can be shorter), ours then FLA's (FLA_FLASH_QLA=0: its
 backward's dq / dk / dw / dg step a TileLang kernel on Hopper with Triton 3.4-3.7). Without --skip-bwd
 the backward of o alone (from saved forward outputs, through autograd: FLA's gets a zero gradient for
 the final state, ours none) is profiled too. The develop set is small on purpose: a few seconds per run.
+
+Each config runs in a fresh process of its own with FLA_CACHE_RESULTS=0, as in
+benchmark/bench_gated_delta_rule.py: FLA's autotuner keys leave the sequence lengths out, so in one
+process (or from an earlier run's disk cache) a layout's first pattern would pick FLA's kernel
+configurations for the later ones.
 """
 
 import argparse
 import collections
 import os
+import subprocess
+import sys
 
 os.environ["FLA_FLASH_QLA"] = "0"  # before fla is imported
+os.environ["FLA_CACHE_RESULTS"] = "0"  # FLA tunes each pattern afresh (docstring)
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -53,6 +61,39 @@ def report(title, totals, iters):
         print(f"    {us / iters / 1e3:8.3f} ms {100 * us / iters / total:5.1f}%  {name[:90]}")
 
 
+def profile_config(heads, seqlens, skip_bwd, skip_fla, iters):
+    """Print the kernel tables of one config, ours then FLA's, each forward then backward."""
+    impls = {"flash_qla": flash_qla.chunk_gated_delta_rule}
+    if not skip_fla:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
+        except ImportError:
+            fla_fn = None
+        if fla_fn is not None:
+            impls["fla"] = fla_fn
+    Hqk, Hv = (int(x) for x in heads.split("/"))
+    x = make_inputs(1, sum(seqlens), Hqk, Hv, 128, 128, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    print(f"{heads} seqlens {len(seqlens)}x{seqlens[0]}" if len(set(seqlens)) == 1 else f"{heads} {seqlens}")
+    for name, fn in impls.items():
+        cu_arg = cu.long() if name == "fla" else cu
+
+        def fwd():
+            return fn(**x, cu_seqlens=cu_arg, output_final_state=True)
+
+        report(f"{name} forward", kernel_table(fwd, iters), iters)
+        if skip_bwd:
+            continue
+        leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
+        o, _ = fn(**leaves, cu_seqlens=cu_arg, output_final_state=True)
+        do = torch.randn_like(o)
+
+        def bwd():
+            torch.autograd.grad(o, list(leaves.values()), do, retain_graph=True)
+
+        report(f"{name} backward", kernel_table(bwd, iters), iters)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", choices=sorted(SETS), default="develop")
@@ -61,39 +102,17 @@ def main():
         "--skip-fla", action="store_true", help="ours only (FLA's Triton JIT takes minutes on a new machine)"
     )
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # profile this config of the set, here
     args = parser.parse_args()
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
-    except ImportError:
-        fla_fn = None
-    if args.skip_fla:
-        fla_fn = None
-
-    impls = {"flash_qla": flash_qla.chunk_gated_delta_rule}
-    if fla_fn is not None:
-        impls["fla"] = fla_fn
-    for heads, seqlens in SETS[args.set]:
-        Hqk, Hv = (int(x) for x in heads.split("/"))
-        x = make_inputs(1, sum(seqlens), Hqk, Hv, 128, 128, device="cuda")
-        cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        print(f"{heads} seqlens {len(seqlens)}x{seqlens[0]}" if len(set(seqlens)) == 1 else f"{heads} {seqlens}")
-        for name, fn in impls.items():
-            cu_arg = cu.long() if name == "fla" else cu
-
-            def fwd():
-                return fn(**x, cu_seqlens=cu_arg, output_final_state=True)
-
-            report(f"{name} forward", kernel_table(fwd, args.iters), args.iters)
-            if args.skip_bwd:
-                continue
-            leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
-            o, _ = fn(**leaves, cu_seqlens=cu_arg, output_final_state=True)
-            do = torch.randn_like(o)
-
-            def bwd():
-                torch.autograd.grad(o, list(leaves.values()), do, retain_graph=True)
-
-            report(f"{name} backward", kernel_table(bwd, args.iters), args.iters)
+    if args.child is not None:
+        heads, seqlens = SETS[args.set][args.child]
+        profile_config(heads, seqlens, args.skip_bwd, args.skip_fla, args.iters)
+        return
+    for index in range(len(SETS[args.set])):  # each in a fresh process (docstring)
+        command = [sys.executable, __file__, "--child", str(index), "--set", args.set, "--iters", str(args.iters)]
+        command += ["--skip-bwd"] * args.skip_bwd + ["--skip-fla"] * args.skip_fla
+        sys.stdout.flush()
+        subprocess.run(command, check=True)
 
 
 if __name__ == "__main__":

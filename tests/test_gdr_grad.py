@@ -67,6 +67,8 @@ FIRST_TOKEN_DG_TOL = GRAD_TOL
 GRAD_CASES = CASES + [
     # 1-token sequences, chunk edges, no initial state: dg = 0 at every sequence's first token.
     Case("varlen_first_token_dg", (1, 1, 200, 1, 64, 65, 1, 3, 1, 130), heads=(4, 8)),
+    # fp16, one sequence over 32 heads, the states kept: the backward walk alone at V-tiles of 32 (fused_bwd)
+    Case("fp16_one_seq_bwd32", (2048,), dtype=torch.float16),
 ]
 
 
@@ -343,6 +345,8 @@ KEEP_STATES_CASES = [  # (case, auto_cp): the forward walks that keep every stat
     (Case("keep_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), False),
     # four pieces over 4 heads: kept, the pieces' walk at 16; recomputed, from the pieces' starts at 16
     (Case("keep_narrow_gva1_h0", (8192,), heads=(4, 4), h0=True), True),
+    # fp16: kept, the backward walk at 128; recomputed, the recompute and the walk at 128 (beside_widths)
+    (Case("keep_fp16_varlen_edges_h0", (0, 1, 63, 64, 65, 0, 130, 1), dtype=torch.float16, h0=True), True),
 ]
 
 

@@ -6,7 +6,7 @@
                                                [--out benchmark/benchmark_results_H200.txt [--append]]
 
 What one timed call is, per --mode (q, k, v, g, beta from make_inputs; do, dht random, seed 1):
-  fwd    the public forward, o, final_state = fn(q, k, v, g, beta, cu_seqlens, output_final_state=True),
+  fwd    the public forward, o, final_state = fn(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True),
          inputs not requiring grad.
   train  a training step: the public forward on leaves requiring grad (made once), then
          torch.autograd.grad([o, final_state], [q, k, v, g, beta], [do, dht]); the graph is
@@ -14,7 +14,7 @@ What one timed call is, per --mode (q, k, v, g, beta from make_inputs; do, dht r
          keep_states default (None: the forward keeps the states where they are small, else the
          backward recomputes them); --keep-states: keep_states=True (kept at any size).
   bwd    the low-level backward alone, from what one untimed low-level forward saved. Ours:
-         chunk_gated_delta_rule_bwd(q, k, v, g_cum, beta, A, do, dht, cu_seqlens) after
+         chunk_gated_delta_rule_bwd(q, k, v, g_cum, beta, A, do, dht, cu_seqlens=cu) after
          g_cum, A, ... = chunk_gated_delta_rule_fwd(...). FLA: fla.ops.gated_delta_rule.chunk's
          chunk_gated_delta_rule_bwd (what its autograd backward calls, less input_guard) after
          its chunk_gated_delta_rule_fwd, chunk_indices prepared once as its autograd forward does.

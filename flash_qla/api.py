@@ -119,7 +119,8 @@ def chunk_gated_delta_rule(
     Parameters
     ----------
     q, k : Tensor, [B, T, Hqk, K]
-        bfloat16, float16 or float32 (float64 on the PyTorch path); k has q's dtype.
+        bfloat16 or float16; float32 and float64 on the PyTorch path (CPU tensors) only, a CUDA
+        float32 q raises. k has q's dtype.
     v : Tensor, [B, T, Hv, V]
         q's dtype. ``Hv % Hqk == 0``; value head h reads qk head ``h // (Hv // Hqk)``.
     g : Tensor, [B, T, Hv]
@@ -305,7 +306,7 @@ def chunk_gated_delta_rule_bwd(
     auto_cp : bool
         The backward walk of long sequences over few heads runs in pieces where forming the
         pieces' maps here pays, a narrower margin than chunk_gated_delta_rule_fwd's (one sequence:
-        2/8 from ~8800 tokens, 4/16 at 12928-16384 and 25408-32768 tokens and beyond, 16/32 never;
+        2/8 from 8705 tokens, 4/16 at 12865-16384, 25345-32768 and 37761-49152 tokens and from 50177, 16/32 never;
         flash_qla.ops.forward.splits_backward; the same gradients within rounding; the lengths are
         those validation read from cu_seqlens: no second sync).
 

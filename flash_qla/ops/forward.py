@@ -253,8 +253,8 @@ def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: boo
 
 def splits_backward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     """Whether a backward handed no forward's maps (the low-level backward) walks in pieces, forming the maps itself:
-    split_ratio at most BACKWARD_SPLIT_GAIN (one sequence: 2/8 from 8768 tokens, 4/16 at 12928-16384 and
-    25408-32768 tokens and beyond, where the pieces fill their waves; 16/32 never)."""
+    split_ratio at most BACKWARD_SPLIT_GAIN (one sequence: 2/8 from 8705 tokens, 4/16 at 12865-16384, 25345-32768 and
+    37761-49152 tokens and from 50177, where the pieces fill their waves; 16/32 never)."""
     return split_ratio(seqlens, Hv, V, profile) <= BACKWARD_SPLIT_GAIN
 
 

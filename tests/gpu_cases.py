@@ -79,7 +79,8 @@ CASES = [
     Case("gva8_Hv16", (777,), heads=(2, 16)),
     Case("gva4_Hv32", (1024, 1), heads=(8, 32), h0=True),
     Case("gva3_Hv48", (2048,), heads=(16, 48)),
-    # 24 (sequence, head) pairs: the backward walk at 64 columns beside the recompute at 64 (beside_widths' grid load)
+    # 24 (sequence, head) pairs: the low-level backward's walk at 64 columns beside the recompute at 64 (beside_widths'
+    # grid load; test_gdr_grad.py's LOW_LEVEL); training keeps the states, its backward walk alone at 32
     Case("gva3_Hv24", (2048,), heads=(8, 24)),
     Case("gva4_Hv64", (333, 2048), heads=(16, 64), h0=True),
     Case("gva8_Hv64", (2000,), heads=(8, 64)),
@@ -96,6 +97,27 @@ CASES = [
     # β = 0 and β below BETA_MIN in some chunks: chunk_grads' dβ by the products there, the quotient elsewhere
     Case("small_beta", (300, 700), h0=True, extra={"small_beta": True}),
     Case("fp16_small_beta", (0, 1, 63, 64, 65, 700), dtype=torch.float16, extra={"small_beta": True}),
+]
+
+# the low-level forward's cases with output_h (its per-chunk states h in fp32, test_gdr_unit.py): the whole walk
+# storing h at V-tiles of 64, 32, 64, 128 (bf16) and 32, 128, 64 (fp16)
+OUTPUT_H_CASES = [
+    next(c for c in CASES if c.id == case_id)
+    for case_id in (
+        "dense_B2_T300_h0", "varlen_edges_h0", "gva3_Hv48", "varlen_many_short",
+        "fp16_varlen_edges", "fp16_varlen_wide_h0", "fp16_dense_B2",
+    )
+]
+
+# the forward split forced on and off, whatever the planner would do, with output_h (test_gdr_unit.py); off, the
+# whole walks store h at V-tiles of 16
+SPLIT_CASES = [
+    Case("split_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True),  # 5 pieces, the last partial
+    Case("split_one_piece_and_a_bit", (2049,), heads=(4, 16)),  # 33 chunks: a piece of one chunk
+    Case("split_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"),
+    # several sequences: an empty one, one inside a piece, pieces not aligned to a sequence start
+    Case("split_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True),
+    Case("split_narrow_gva1_h0", (8192,), heads=(4, 4), h0=True),  # 4 pieces x 4 heads: walks at V-tiles of 16
 ]
 
 

@@ -61,9 +61,18 @@ def test_outputs_and_gradients_match_naive(case):
 
 
 @pytest.mark.parametrize("used", ["o", "final_state"])
-def test_gradients_of_one_output(used):
+def test_gradients_of_one_output(used, monkeypatch):
     """A loss of o alone (or final_state alone): the other output's gradient never arrives, and none
-    is made up for it (the backward takes None); the gradients are the oracle's."""
+    is made up for it (a loss of o alone: the backward takes dht = None); the gradients are the oracle's."""
+    import flash_qla.autograd as autograd_module
+
+    backward, dhts = autograd_module._backward, []
+
+    def recorded(*args):
+        dhts.append(args[7])
+        return backward(*args)
+
+    monkeypatch.setattr(autograd_module, "_backward", recorded)
     x = VARLEN.inputs()
     grads = {}
     for name, fn in (("got", api_with_final_state), ("want", naive_recurrent_gated_delta_rule)):
@@ -71,6 +80,7 @@ def test_gradients_of_one_output(used):
         outputs = dict(zip(("o", "final_state"), fn(**{**x, **leaves})))
         loss = (outputs[used] * randn_like(outputs[used], seed=3)).sum()
         grads[name] = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    assert len(dhts) == 1 and (dhts[0] is None) == (used == "o"), "dht as the loss gave it, no zeros made up"
     for n, got, want in zip(GRAD_INPUTS, grads["got"], grads["want"]):
         if want is None:  # q does not reach final_state
             assert not got.any(), n
@@ -144,7 +154,9 @@ def test_fla_keyword_call():
     assert rel_err(o, o_ref) <= FP64_REL and rel_err(final_state, final_ref) <= FP64_REL
 
 
-def test_no_final_state_unless_asked_and_auto_cp_changes_nothing():
+def test_no_final_state_unless_asked_and_auto_cp_is_accepted_on_the_pytorch_path():
+    """auto_cp is a GPU planner option: the PyTorch path takes it and computes the same (on the GPU the split walks
+    agree within rounding: tests/test_gdr_unit.py, test_gdr_grad.py)."""
     x = VARLEN.inputs()
     o, final_state = chunk_gated_delta_rule(**x)
     assert final_state is None

@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from gpu_cases import CASES
+from gpu_cases import CASES, OUTPUT_H_CASES, SPLIT_CASES
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
 from flash_qla.ops.backward import backward_kernel_builds, beside_widths, grads_parts
@@ -370,7 +370,7 @@ def test_chunk_offsets_recomputed_after_in_place_edit():
     assert chunk_offsets_of(cu, SM90.chunk).tolist() == [0, 1, 4]
 
 
-# the forward routes the GPU case table must run, per dtype and mode: a V-tile width, the O path, the split
+# the forward routes the GPU tests must run, per dtype and mode: a V-tile width, the O path, the split
 WALKS_COVERED = {
     (torch.bfloat16, "inference"): {"split", "opath", 16},
     (torch.bfloat16, "output_h"): {"split", 16, 32, 64, 128},
@@ -383,15 +383,20 @@ WALKS_COVERED = {
 
 @pytest.mark.parametrize("dtype,mode", WALKS_COVERED, ids=lambda x: str(x).removeprefix("torch."))
 def test_gpu_cases_reach_every_forward_walk(dtype, mode):
-    """The GPU case table (tests/gpu_cases.py) runs each forward route the planner can take, per dtype and
-    mode, as walk_plan decides today: a planner change that moves a case off the walk it was written for
-    fails here, without a GPU."""
-    reached = set()
-    for case in CASES:
+    """The GPU tests (their tables in tests/gpu_cases.py) run each forward route the planner can take, per dtype
+    and mode, as walk_plan decides today: a planner change that moves a case off the walk it was written for
+    fails here, without a GPU. CASES run as inference and training forwards; with output_h run OUTPUT_H_CASES
+    (the low-level forward) and SPLIT_CASES (the split forced on, and off: then walked whole)."""
+    if mode == "output_h":  # (case, auto_cp)
+        runs = [(case, True) for case in OUTPUT_H_CASES] + [(case, False) for case in SPLIT_CASES]
+    else:
+        runs = [(case, True) for case in CASES]
+    reached = {"split"} if mode == "output_h" and any(case.dtype == dtype for case in SPLIT_CASES) else set()
+    for case, auto_cp in runs:
         if case.dtype != dtype:
             continue
         seqlens = (case.dense[1],) * case.dense[0] if case.dense else case.seqlens
-        split, BV, opath = walk_plan(seqlens, case.heads[1], 128, SM90, True, mode == "training", mode == "output_h")
+        split, BV, opath = walk_plan(seqlens, case.heads[1], 128, SM90, auto_cp, mode == "training", mode == "output_h")
         reached.add("split" if split else "opath" if opath else BV)
     assert WALKS_COVERED[dtype, mode] <= reached, reached
 

@@ -50,7 +50,7 @@ import flash_qla.autograd as autograd_module
 import flash_qla.ops.backward as backward_module
 import flash_qla.ops.forward as forward_module
 from flash_qla.reference.chunked import _forward_from_gcum, chunk_gated_delta_rule_bwd_ref, chunk_local_cumsum
-from gpu_cases import CASES, FWD_TOL, Case, case_inputs, patch_planner, record_calls, rel_l2
+from gpu_cases import CASES, FWD_TOL, Case, case_inputs, drop_plans, patch_planner, record_calls, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -59,10 +59,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # terms. The issue's bar for bf16 gradients is 1e-2 relative L2; fp16 rounds finer and takes it too.
 GRAD_TOL = 1e-2
 # Without an initial state a sequence's first token has dg = 0 exactly (its gate decays a zero
-# state; every other term cancels in the chunk's sum), so whatever the kernels return there is error.
-# Per token it must be no larger than the bar for dg as a whole: RMS over those tokens, relative to
-# the RMS of the reference dg over all tokens.
-FIRST_TOKEN_DG_TOL = GRAD_TOL
+# state; every other term cancels in the chunk's sum), so whatever the kernels return there is error:
+# RMS over those tokens, relative to the RMS of the reference dg over all tokens. The kernels sum the
+# cancelling terms in fp32: measured at most 3.1e-7 over the table (benchmark/NOTES.md v41-v63); a term
+# that went through bf16 would leave ~2^-8 of itself, ~1e-3.
+FIRST_TOKEN_DG_TOL = 1e-5
+# The split backward walk against the whole one: the pieces start from end gradients composed in fp32 and
+# walk their chunks from other starts, so the two round apart; measured at most 3.6e-3 (split_bwd_one_long_h0's
+# dk, weak gates; benchmark/NOTES.md v41). A wrong start gradient of a piece is off by order 1.
+SPLIT_APART_TOL = 1e-2
 
 GRAD_CASES = CASES + [
     # 1-token sequences, chunk edges, no initial state: dg = 0 at every sequence's first token.
@@ -163,10 +168,11 @@ def test_gradients_match_reference(case, poisoned):
     assert errors.get("dg_first_token", 0) <= FIRST_TOKEN_DG_TOL, errors
 
 
-LOW_LEVEL = [  # (case, pass dht): varlen edges with h0, GVA 4, fp16 dense with h0, fp16 varlen without dht
+LOW_LEVEL = [  # (case, pass dht): varlen edges with h0, GVA 4, fp16 dense with h0, fp16 varlen without dht, GVA 3
     (next(c for c in CASES if c.id == case_id), with_dht)
     for case_id, with_dht in [
         ("varlen_edges_h0", True), ("gva4_Hv64", True), ("fp16_dense_B2", True), ("fp16_varlen_edges", False),
+        ("gva3_Hv24", True),
     ]
 ]
 
@@ -295,6 +301,9 @@ def test_training_backward_takes_the_forward_kkt_outputs(monkeypatch, poisoned):
     low_level = flash_qla.chunk_gated_delta_rule_bwd(
         x["q"], x["k"], x["v"], g_cum, x["beta"], A, do, dht, initial_state=h0, cu_seqlens=cu
     )
+    # the factory is called when a backward is planned: plan the training backward afresh (the low-level one's plan,
+    # which holds kkt_solve, has the key a training backward handed nothing would have)
+    drop_plans()
     kkt_builds = record_calls(monkeypatch, backward_module, "kkt_solve_kernel")
     got = _grads(flash_qla_gdr, {**x, "initial_state": h0}, do, dht, cu_seqlens=cu)
     assert not kkt_builds, "the training backward ran kkt_solve again"
@@ -303,7 +312,7 @@ def test_training_backward_takes_the_forward_kkt_outputs(monkeypatch, poisoned):
 
 
 CHECKPOINT_CASES = [  # forward walks at V-tiles of 32 and 16, the recompute's pieces at 64
-    Case("checkpoints_varlen_h0", (5000, 70, 0, 3000), heads=(4, 8), h0=True),
+    Case("checkpoints_varlen_h0", (5000, 70, 0, 3000), heads=(4, 16), h0=True),
     Case("checkpoints_one_long", (9000,), heads=(2, 8)),
 ]
 
@@ -339,7 +348,7 @@ KEEP_STATES_CASES = [  # (case, auto_cp): the forward walks that keep every stat
     (next(c for c in CASES if c.id == "varlen_4096x8"), True),  # V-tiles of 128 (fused_fwd_wide)
     (next(c for c in CASES if c.id == "strong_gate"), True),  # V-tiles of 64, h0, strong decay
     (Case("keep_varlen_edges_h0", (0, 1, 63, 64, 65, 0, 130, 1), heads=(4, 16), h0=True), True),
-    # one long sequence over few heads: the training forward splits it (pieces at V-tiles of 32) ...
+    # one long sequence over few heads: the training forward splits it (pieces at V-tiles of 64) ...
     (Case("keep_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), True),
     # ... or, without auto_cp, walks it whole at V-tiles of 16 (fused_fwd)
     (Case("keep_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), False),
@@ -366,6 +375,7 @@ def test_kept_states_give_the_recomputed_gradients(case, auto_cp, poisoned, monk
     state_walks = record_calls(monkeypatch, backward_module, "walk_kernel")
     grads = {}
     for keep in (False, True):
+        drop_plans()  # each arm plans afresh: a backward that ignored the kept states would reuse keep=False's plan
         state_walks.clear()
         grads[keep] = _grads(flash_qla_gdr, inputs, do, dht, cu_seqlens=cu, auto_cp=auto_cp, keep_states=keep)
         assert len(state_walks) == int(not keep), "the backward recomputes the states exactly when none were kept"
@@ -398,10 +408,10 @@ def test_kept_states_are_saved_only_when_asked(keep, max_bytes, kept, monkeypatc
 
 
 SPLIT_BACKWARD_CASES = [  # (case, pass dht, the split forced: else the planner's own)
-    (Case("split_bwd_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), True, True),  # V-tiles of 32
+    (Case("split_bwd_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True), True, True),  # V-tiles of 64
     (Case("split_bwd_piece_and_a_bit", (2049,), heads=(4, 16)), False, True),  # 33 chunks: a piece of one chunk
     (Case("split_bwd_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"), True, True),
-    (Case("split_bwd_wide_h0", (20000,), heads=(2, 8), h0=True), True, True),  # V-tiles of 64
+    (Case("split_bwd_wide_h0", (20000,), heads=(2, 8), h0=True), True, True),  # V-tiles of 128
     # several sequences: an empty one (dh0 = dht there), one inside a piece, unaligned pieces
     (Case("split_bwd_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True), True, True),
     # the planner splits two sequences from the lengths validation read, as the forward would
@@ -454,8 +464,8 @@ def test_split_backward_matches_whole_walk(case, with_dht, forced, poisoned, mon
     whole = {name: rel_l2(g, w) for name, g, w in zip(names, got[False], want) if w is not None}
     assert all(err <= GRAD_TOL for err in errors.values()), errors
     assert all(err <= GRAD_TOL for err in whole.values()), whole
-    # each within GRAD_TOL of the reference, the two within twice that of each other
-    assert all(err <= 2 * GRAD_TOL for err in apart.values()), apart
+    # each within GRAD_TOL of the reference, the two within rounding of each other
+    assert all(err <= SPLIT_APART_TOL for err in apart.values()), apart
 
 
 @pytest.mark.parametrize("gate", ["model", "strong"])
@@ -471,10 +481,11 @@ def test_split_training_matches_reference(gate, poisoned, monkeypatch):
     dht = _randn((_num_seqs(case), 8, 128, 128), torch.float32, seed + 2)
     patch_planner(monkeypatch, "splits_forward", lambda *args: True)
     split_walks = record_calls(monkeypatch, backward_module, "split_backward_walk")
+    backward_maps = record_calls(monkeypatch, backward_module, "maps_of_pieces")
     inputs = {**x, "initial_state": h0}
     got = _grads(flash_qla_gdr, inputs, do, dht, with_outputs=True, cu_seqlens=cu)
     want = _grads(reference_gdr, {name: t.float() for name, t in inputs.items()}, do, dht, with_outputs=True, cu_seqlens=cu)
-    assert len(split_walks) == 1 and isinstance(split_walks[0][2], torch.Tensor), "the forward's maps were handed over"
+    assert len(split_walks) == 1 and not backward_maps, "the forward's maps were handed over (the backward formed none)"
     assert (split_walks[0][-2] < 0).any(), "and kkt_solve's bounds (log_norms)"
     errors = {name: rel_l2(got[name], want[name]) for name in want}
     print(case.id, {name: f"{err:.2e}" for name, err in errors.items()})
@@ -494,6 +505,7 @@ def test_training_split_hands_its_maps_to_the_backward(monkeypatch, poisoned):
     x, cu, _ = case_inputs(case, seed)
     do = _randn(x["v"].shape, x["v"].dtype, seed + 1)
     split_walks = record_calls(monkeypatch, backward_module, "split_backward_walk")
+    backward_maps = record_calls(monkeypatch, backward_module, "maps_of_pieces")
     leaves = {name: t.detach().requires_grad_() for name, t in x.items()}
     grads = {}
     for split in (True, False):
@@ -502,12 +514,12 @@ def test_training_split_hands_its_maps_to_the_backward(monkeypatch, poisoned):
         o, _ = flash_qla_gdr(**leaves, cu_seqlens=cu)
         grads[split] = torch.autograd.grad(o, list(leaves.values()), do)
         assert all(torch.isfinite(g).all() for g in grads[split])
-    assert len(split_walks) == 1 and isinstance(split_walks[0][2], torch.Tensor), "the forward's maps were handed over"
+    assert len(split_walks) == 1 and not backward_maps, "the forward's maps were handed over (the backward formed none)"
     # each walk is within GRAD_TOL of the reference elsewhere; apart by a rounding of the composed maps
     # (2-3e-3 measured), not by a wrong start gradient of a piece (order 1)
     apart = {"d" + name: rel_l2(a, b) for name, a, b in zip(leaves, grads[True], grads[False])}
     print(case.id, "split vs whole", {name: f"{err:.2e}" for name, err in apart.items()})
-    assert all(err <= GRAD_TOL for err in apart.values()), apart
+    assert all(err <= SPLIT_APART_TOL for err in apart.values()), apart
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])

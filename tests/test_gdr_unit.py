@@ -15,7 +15,9 @@ import torch.nn.functional as F
 import flash_qla
 from flash_qla.reference.chunked import chunk_gated_delta_rule_fwd_ref
 from flash_qla.reference.inputs import make_inputs
-from gpu_cases import CASES, FWD_TOL, Case, case_inputs, patch_planner, record_calls, rel_l2
+from gpu_cases import (
+    CASES, FWD_TOL, OUTPUT_H_CASES, SPLIT_CASES, Case, case_inputs, patch_planner, record_calls, rel_l2,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -191,13 +193,7 @@ def test_wide_walk_forward_matches_reference(case, poisoned, monkeypatch):
     assert [args[4] for args in walks] == [128], "the forward did not walk at 128 columns"
 
 
-LOW_LEVEL = [  # h at V-tiles of 64, 32, 32 (fp16), 64 and 128 (fp16)
-    next(c for c in CASES if c.id == case_id)
-    for case_id in ("dense_B2_T300_h0", "varlen_edges_h0", "fp16_varlen_edges", "gva3_Hv48", "fp16_varlen_wide_h0")
-]
-
-
-@pytest.mark.parametrize("case", LOW_LEVEL, ids=[c.id for c in LOW_LEVEL])
+@pytest.mark.parametrize("case", OUTPUT_H_CASES, ids=[c.id for c in OUTPUT_H_CASES])
 def test_low_level_forward_intermediates(case, poisoned):
     """g_cum, A and the per-chunk states h of the low-level forward, each vs the reference."""
     x, cu, h0 = case_inputs(case, seed=7)
@@ -218,14 +214,6 @@ def test_low_level_forward_intermediates(case, poisoned):
 # The composition of the maps: three bf16 products keep ~16 bits of each operand (1.5e-5), summed
 # over 128 terms a product and a few pieces.
 COMPOSE_TOL = 1e-4
-SPLIT_CASES = [  # the split forced on and off, whatever the planner would do
-    Case("split_one_long_h0", (9000,), heads=(2, 8), gate="weak", h0=True),  # 5 pieces, the last partial
-    Case("split_one_piece_and_a_bit", (2049,), heads=(4, 16)),  # 33 chunks: a piece of one chunk
-    Case("split_fp16_strong_gate", (5000,), heads=(2, 8), dtype=torch.float16, gate="strong"),
-    # several sequences: an empty one, one inside a piece, pieces not aligned to a sequence start
-    Case("split_varlen_h0", (5000, 0, 70, 9000), heads=(2, 8), h0=True),
-    Case("split_narrow_gva1_h0", (8192,), heads=(4, 4), h0=True),  # 4 pieces x 4 heads: walks at V-tiles of 16
-]
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])

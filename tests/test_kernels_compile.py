@@ -465,7 +465,7 @@ def test_chunk_grads_barriers():
     reductions = re.findall(r"AllReduce<tl::SumOp, (\d+),", source)
     assert reductions and all(int(threads) <= 32 for threads in reductions), reductions
     outside = without_blocks(source, "if (valid < 64) {")
-    assert outside.count("__syncthreads()") <= 15
+    assert outside.count("__syncthreads()") == 15
     assert source.count("__syncthreads()") - outside.count("__syncthreads()") == 3
 
 

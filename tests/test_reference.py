@@ -12,7 +12,7 @@ from flash_qla.reference import (
     make_inputs,
     naive_recurrent_gated_delta_rule,
 )
-from flash_qla.reference.backward_stages import BETA_MIN, chunk_gated_delta_rule_bwd_stages
+from flash_qla.reference.backward_stages import BETA_MIN, chunk_gated_delta_rule_bwd_stages, dbeta_by_quotient
 from helpers import CASES, Case, FP64_REL, chunk_bounds, cu_seqlens_of, randn_like, rel_err
 
 # make_inputs' k: unit rows in float32 rounded to bf16 (2^-9 relative an element): the norm moves by a few 1e-3
@@ -79,6 +79,17 @@ def test_backward_stages_take_the_products_where_beta_is_small():
     got, expected = stages_and_chunked_backward(x)
     for name, g, e in zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), got, expected):
         assert torch.isfinite(g).all() and rel_err(g, e) <= FP64_REL, name
+
+
+def test_dbeta_takes_the_quotient_only_where_every_valid_beta_is_at_least_beta_min():
+    """The rule itself (in float64 both forms agree with autograd except at β = 0, so the test above cannot tell
+    them apart elsewhere): one chunk a row, 64 tokens, the last 20 of the fourth past its end."""
+    beta = torch.full((4, 64), 0.5, dtype=torch.float64)
+    valid = torch.ones(4, 64, dtype=torch.bool)
+    beta[1, 7] = BETA_MIN * (1 - 2**-20)  # just below
+    beta[2, 7] = -BETA_MIN  # at it, in magnitude
+    beta[3, 50], valid[3, 44:] = 0.0, False  # zero past the end
+    assert dbeta_by_quotient(beta, valid).flatten().tolist() == [True, False, True, True]
 
 
 @pytest.mark.parametrize("lengths", [(200,), (0, 1, 65, 130), (64, 64, 0)], ids=lambda x: "-".join(map(str, x)))

@@ -46,6 +46,12 @@ from flash_qla.reference.chunked import CHUNK_SIZE, _ChunkLayout
 BETA_MIN = 2.0**-10
 
 
+def dbeta_by_quotient(beta, valid):
+    """Per chunk and v-head ([..., C] -> [..., 1]): whether dβ is the quotient, every valid β at least BETA_MIN
+    in magnitude (the tokens past a chunk's end do not count); else the products."""
+    return ((beta.abs() >= BETA_MIN) | ~valid).all(-1, keepdim=True)
+
+
 def chunk_gated_delta_rule_bwd_stages(
     q, k, v, g_cum, beta, A, do, dht=None, scale=None, initial_state=None, cu_seqlens=None
 ):
@@ -117,9 +123,8 @@ def chunk_gated_delta_rule_bwd_stages(
         + dKK @ k
         + dKK.transpose(-1, -2) @ k
     )
-    quotient = ((beta.abs() >= BETA_MIN) | ~valid).all(-1, keepdim=True)  # per chunk and v-head
     dbeta = torch.where(
-        quotient,
+        dbeta_by_quotient(beta, valid),
         (dU * v_new).sum(-1) / torch.where(valid, beta, 1) ** 2,
         ((dvn - N_.transpose(-1, -2) @ dU) * W).sum(-1),
     )

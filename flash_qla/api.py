@@ -152,7 +152,7 @@ def chunk_gated_delta_rule(
         (DESIGN.md §1's exact route: o and final_state agree with the unsplit walk within
         rounding; the walks that find the start states leave out the chunks whose effect the gates
         decay below 2^-24 of a state, flash_qla.ops.context_parallel). With a gradient to compute,
-        the GPU forward keeps the state every 32 chunks (fp32, [T / 2048 + N, Hv, K, V] per call,
+        the GPU forward keeps the state every 32 chunks (fp32, at most (T // 64 + N) // 32 + N + 1 states a call,
         saved for the backward) when long sequences over few heads would leave the backward's
         state recompute with too few blocks (and whenever the forward split: the pieces' start states are those states),
         and the backward restarts it from them in parallel pieces. Where the forward splits its

@@ -25,6 +25,7 @@ from flash_qla.ops.forward import (
     kernel_unsupported_reason,
     keeps_checkpoints,
     keeps_states,
+    pieces_fit_the_grid,
     splits_backward,
     splits_forward,
     walk_plan,
@@ -326,6 +327,23 @@ def test_kernel_support_reasons():
     longest = torch.empty(1, 64 * 65534, 1, 128, dtype=torch.bfloat16, device="meta")
     assert kernel_unsupported_reason(longest, longest, 1) is None
     assert "at most 65535 chunk slots" in kernel_unsupported_reason(longest, longest, 2)
+
+
+@pytest.mark.parametrize("empty,pieces", [(4000, True), (65001, False)])
+def test_walks_over_pieces_only_where_their_grid_fits(empty, pieces):
+    """A walk over pieces launches a block row per piece, N + slots // checkpoint_chunks (empty sequences count):
+    one sequence of 9000 tokens at 2/8 splits and keeps checkpoints beside 4000 empty ones, and walks whole beside
+    65001 (67037 pieces, over CUDA's 65535; the slots, 65142, are within it)."""
+    seqlens = (9000,) + (0,) * empty
+    slots = 9000 // SM90.chunk + len(seqlens)
+    q = torch.empty(1, 9000, 1, 128, dtype=torch.bfloat16, device="meta")
+    assert kernel_unsupported_reason(q, q, len(seqlens)) is None
+    assert pieces_fit_the_grid(seqlens, SM90) == pieces == (len(seqlens) + slots // SM90.checkpoint_chunks <= 65535)
+    for training in (False, True):
+        assert splits_forward(seqlens, 8, 128, SM90, training) == pieces
+        assert walk_plan(seqlens, 8, 128, SM90, True, training, False)[0] == pieces
+    assert splits_backward(seqlens, 8, 128, SM90) == pieces
+    assert keeps_checkpoints(seqlens, 8, 128, SM90) == pieces
 
 
 def test_unknown_arch_name():

@@ -53,8 +53,9 @@ Reads like flash_qla/reference/backward_stages.py:
      validation read; flash_qla.ops.context_parallel.split_backward_walk);
   4. chunk_grads: dq, dk (summed over the v-heads of each qk-head in a fixed order, so
      results are bitwise reproducible), dβ and dg of every chunk in parallel; where the (chunk,
-     qk-head) items are fewer than the SMs, each item's v-heads in two halves on two blocks where that
-     saves more than the halves' exchange costs (grads_parts).
+     qk-head) items leave the blocks' last round mostly idle (most often: fewer items than SMs), each
+     item's v-heads in two halves on two blocks where that saves more than the halves' exchange costs
+     (grads_parts).
 
 What a call decides from its shapes and options alone (the route, the V-tile widths, the kernels) is
 decided once per shapes and options (backward_plan), as the forward's (flash_qla.ops.forward.forward_plan).
@@ -103,7 +104,8 @@ def backward_walk_kernel(BV: int):
 # with the state recompute (beside_widths; the recompute's: RECOMPUTE_CHUNK_US). Against 64 columns its two chains at
 # 128 take 1.4x one chain, the recompute's 1.5x. The backward walk over pieces (a split) takes its width from the
 # forward walk's table (flash_qla.ops.forward.FORWARD_CHUNK_US), which picks as this one does on DESIGN.md §4's
-# layouts at 8-64 pieces except 8/24 at 8 (64 columns where this table takes 128; not measured).
+# layouts and patterns (8 and 16 pieces) except 8/24 at 8; elsewhere it takes 64 columns where this table takes 128
+# at 4/16 and 16/16 over 9-12 pieces and 2/8 over 17-24 (not measured).
 BACKWARD_CHUNK_US = {128: 2.90, 64: 2.05, 32: 1.94, 16: 1.47}
 # The walk's chunk takes longer in a fuller grid (its blocks' tile loads share L2 and DRAM): beside_widths costs it
 # BACKWARD_CHUNK_US x (1 + GRID_LOAD x blocks / SMs) / (1 + GRID_LOAD x TABLE_LOAD), the table's grids having held

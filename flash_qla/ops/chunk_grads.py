@@ -79,9 +79,9 @@ or of the block's previous item) computes, each set as soon as that one has read
 the last time: S, dS', A and γ after the products with the states; at its end k and q (when the
 next v-head starts an item), then V, dO and dU. The next item's chunk row (first token, tokens)
 is loaded at the item's start and first read there, so no copy waits for the chunk table.
-In PARTS = 2 parts (flash_qla.ops.backward.grads_parts: where the items are fewer than the SMs, a
-block walking all of an item's v-heads leaves most SMs idle, and the parts save more than their
-exchange costs) an item is (chunk slot, qk-head, part),
+In PARTS = 2 parts (flash_qla.ops.backward.grads_parts: where the items leave the last round of blocks
+mostly idle, most often fewer items than SMs, a block walking all of an item's v-heads leaves most SMs
+idle, and the parts save more than their exchange costs) an item is (chunk slot, qk-head, part),
 the two parts neighbours, each walking half the qk-head's v-heads. At its end a part counts itself
 in its item's count (one thread's relaxed atomicAdd of 1). The part that counts first stores its
 fp32 dq and dk sums in dq_first and dk_first (every row: whole 8-byte stores, no masks) and, after a

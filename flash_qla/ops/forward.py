@@ -4,7 +4,7 @@ Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk 
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
 for narrower ones. An inference forward (o alone) takes fused_fwd_opath at 64 columns instead
-wherever that pays (o_path_pays: at 64 and 32 columns, and at 128 from ~119 sequence-heads), which
+wherever that pays (o_path_pays: at 64 columns, at 32 from ~19 sequence-heads, at 128 from ~119), which
 forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096 157.6 -> 150.3 µs on the H200,
 benchmark/NOTES.md v37; 16/32 1x32768 walked whole 896.7 -> 859.3, 8x4096 549.7 -> 537.4, v48). Long
 sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel).
@@ -41,7 +41,7 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 # CUDA's limit on a grid's y and z extents: kkt_solve's grid has a block row per chunk slot (T // 64 + N), the walks
-# one per sequence (or piece of one, at most as many as the slots)
+# one per sequence, or per piece of one (N + slots // checkpoint_chunks: pieces_fit_the_grid)
 MAX_GRID_YZ = 65535
 
 
@@ -119,6 +119,16 @@ def checkpoint_pieces_expected(n_seqs: int, T: int, profile: ArchProfile) -> int
     return n_seqs * -(-chunks // profile.checkpoint_chunks)
 
 
+def pieces_fit_the_grid(seqlens, profile: ArchProfile) -> bool:
+    """Whether walks over pieces (a split walk, the recompute from checkpoints) fit CUDA's grid: their grid has a
+    block row per piece, N + slots // checkpoint_chunks of them (flash_qla.ops.chunks.checkpoint_pieces: a piece
+    for every sequence, empty ones too), which exceeds MAX_GRID_YZ only in calls of more than ~63500 sequences
+    (kernel_unsupported_reason bounds the slots). Such a call walks its sequences whole."""
+    n_seqs = len(seqlens)
+    slots = sum(seqlens) // profile.chunk + n_seqs
+    return n_seqs + slots // profile.checkpoint_chunks <= MAX_GRID_YZ
+
+
 def keeps_checkpoints(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     """Whether a training forward over sequences of these lengths keeps the state every
     profile.checkpoint_chunks chunks.
@@ -130,7 +140,7 @@ def keeps_checkpoints(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     times the chunks of its longest sequence (or piece).
     """
     every = profile.checkpoint_chunks
-    if max(seqlens) <= every * profile.chunk:  # no piece to split off (and no per-sequence loop)
+    if max(seqlens) <= every * profile.chunk or not pieces_fit_the_grid(seqlens, profile):  # no piece to split off
         return False
     chunks = [-(-n // profile.chunk) for n in seqlens]
     pieces = sum(-(-c // every) for c in chunks)
@@ -185,7 +195,7 @@ def whole_walk_width(chunks, Hv: int, V: int, profile: ArchProfile) -> int:
 # forward splits up to SPLIT_GAIN. Inference forward split / whole, µs: 2/8 1x8192 97.4 / 153.9 (model 0.71), 2/8
 # 1x32768 198.8 / 592.2 (0.31), 4/16 1x8192 138.8 / 175.3 (0.73), 16/32 1x32768 732.0 / 858.9 (0.83), 2/8 4x8192
 # 190.6 / 220.6 (0.84), 16/32 1x8192 227.5 / 225.5 (0.84, a tie), 16/48 28672+4096 1084.7 / 1316.6 (0.86), 16/32
-# 1x12288 341.2 / 331.0 (1.08), 16/32 2x16384 732.6 / 539.6 (1.52). Gates that never decay leave the map walks
+# 1x12288 341.2 / 331.0 (1.08), 16/32 2x16384 732.6 / 539.6 (1.51). Gates that never decay leave the map walks
 # nothing to skip (twice MAPS_WALKS): there the split loses where the model says 0.83-0.84 (g = -1e-3 everywhere:
 # 16/32 1x32768 969.7 / 862.3, 16/32 1x8192 270.8 / 223.9, 2/8 4x8192 261.4 / 220.0) and still gains at 0.71
 # (2/8 1x8192 143.5 / 152.7).
@@ -198,7 +208,7 @@ SPLIT_FIXED_US = 3.6
 # forward splits up to TRAINING_SPLIT_GAIN of the whole walk. Training step split / whole, µs (benchmark/NOTES.md
 # v49): 16/32 1x8192 785.8 / 805.3, 8/32 1x8192 761.0 / 790.9, 2/8 4x8192 698.9 / 795.6, 16/32 1x32768 2759.6 /
 # 3085.5, 16/32 28672+4096 2771.2 / 3357.8 (model 0.83-0.88), 16/32 1x12288 1183.2 / 1187.5 (model 1.08); 16/64
-# 28672+4096 5274.7 / 5158.0 (model 1.14), 16/32 2x16384 2756.7 / 2514.8 (model 1.52).
+# 28672+4096 5274.7 / 5158.0 (model 1.14), 16/32 2x16384 2756.7 / 2514.8 (model 1.51).
 TRAINING_SPLIT_GAIN = 1.1
 # The low-level backward (no forward's maps) splits only up to BACKWARD_SPLIT_GAIN: it walks the maps itself and its
 # end walk besides, against a whole backward that hides the state recompute beside its walk. H200, split / whole, ms
@@ -235,8 +245,9 @@ def split_ratio(seqlens, Hv: int, V: int, profile: ArchProfile, unequal: bool = 
 def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: bool = False) -> bool:
     """Whether the forward walks its sequences in pieces (split_ratio at most SPLIT_GAIN).
 
-    Pays where sequences are long and Hv · V / BV chains leave SMs idle: a single sequence of 8192 tokens and more
-    at up to 32 v-heads, or a few such sequences over few heads. training: the forward of a training step (its maps
+    Pays where sequences are long and Hv · V / BV chains leave SMs idle: a single sequence from 6401 tokens at 8
+    v-heads; at 16-32 where the pieces fill their waves (16/32, inference: 7617-8192, 15105-16384, 22465-22528,
+    22593-24576, 29953-32768 tokens, ...; not 12288); never above 32; or a few such sequences over few heads. training: the forward of a training step (its maps
     go to the backward), which splits up to TRAINING_SPLIT_GAIN.
 
     The inference forward weighs the split against the whole walk at the sequences' own lengths (split_ratio's
@@ -246,6 +257,8 @@ def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: boo
     16/48 28672+4096 the two part: the inference forward walks whole (the O path, 872.3 µs against 1087.9
     split; benchmark/NOTES.md v53), a training step splits (3.99 ms against FLA's 11.58).
     """
+    if not pieces_fit_the_grid(seqlens, profile):
+        return False
     if training:
         return split_ratio(seqlens, Hv, V, profile) <= TRAINING_SPLIT_GAIN
     return split_ratio(seqlens, Hv, V, profile, unequal=True) <= SPLIT_GAIN
@@ -255,7 +268,7 @@ def splits_backward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     """Whether a backward handed no forward's maps (the low-level backward) walks in pieces, forming the maps itself:
     split_ratio at most BACKWARD_SPLIT_GAIN (one sequence: 2/8 from 8705 tokens, 4/16 at 12865-16384, 25345-32768 and
     37761-49152 tokens and from 50177, where the pieces fill their waves; 16/32 never)."""
-    return split_ratio(seqlens, Hv, V, profile) <= BACKWARD_SPLIT_GAIN
+    return pieces_fit_the_grid(seqlens, profile) and split_ratio(seqlens, Hv, V, profile) <= BACKWARD_SPLIT_GAIN
 
 
 def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
@@ -272,7 +285,8 @@ def o_path_pays(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
     Modelled as the two walks' times (whole_walk_time), less P's cost over the sequences' chunks of every v-head. A
     chunk of the O path costs 3 % more than fused_fwd_wide's at 64 columns and 9 % more than fused_fwd's at 32; its
     two waves where 128 columns run one, 36 % more: what P saves kkt_solve pays for that at 64 columns, from ~19
-    sequence-heads at 32, from ~119 at 128 (~237 where 128 columns run two waves), never at 16. H200, inference
+    sequence-heads at 32, from ~119 at 128 (~237 where 128 columns run two waves), at equal lengths never at 16
+    (at unequal ones it can: 4/16 500+1755). H200, inference
     forward, the walk at the planner's width / the O path, µs (benchmark/NOTES.md v48): 16/32 1x2048 (32) 68.7 /
     64.9, 1x32768 (whole) 896.7 / 859.3, 16/16 2x4096 131.2 / 120.7; 4/16 8x4096 (128) 276.5 / 272.2, 16/32 8x4096
     549.7 / 537.4, 16/48 8x4096 808.4 / 790.4, 16/64 8x4096 1063.8 / 1053.0, 16/16 8x4096 313.7 / 282.0; where the

@@ -69,7 +69,7 @@ stmatrix / ldmatrix (v38, outputs bitwise equal): 2/8 8x4096 149.1 -> 144.3 µs 
 alone -1.1, the three together -4.8), 4/8 8x4096 151.1 -> 146.4, 16/64 1x2048 80.1 -> 77.8; V
 read under Sᵀ Kᵀ rather than after it, 1.1-1.5 µs more (2/8 145.2-145.8 -> 143.7-144.3). The
 forward takes this walk for o alone wherever flash_qla.ops.forward.o_path_pays says it pays: where
-its walk over whole sequences would run at 64 or 32 columns, and at 128 from ~119 sequence-heads
+its walk over whole sequences would run at 64 columns, at 32 from ~19 sequence-heads, and at 128 from ~119
 (v48: 0.5-2 % faster there, 10 % at 16/16 8x4096; in v38, before V's read moved, 2.4-3.6 % slower at
 16/32, 8/32, 4/16, 16/64, 16/48 8x4096; a split's pieces walk as before). A training forward keeps
 kkt_solve's P for the backward and walks with fused_fwd_wide (this walk with that P loaded into

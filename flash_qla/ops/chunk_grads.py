@@ -58,7 +58,7 @@ Inputs (packed varlen, T tokens in all):
                index), as the tensor-core products read them
     chunk_table [slots, 2] int32: (first token, tokens) of each global chunk
                (flash_qla.ops.chunks; 0 tokens past the last chunk)
-Outputs:
+Outputs (then scale, float; slots, int; blocks, int, the persistent blocks launched: the last arguments):
     dq, dk     [T, Hqk, K]   input dtype
     dbeta      [T, Hv]       beta_dtype: β's when it has q's dtype, fp32 otherwise (rounded
                once, from the fp32 sum, where it is stored: bitwise what a conversion kernel after

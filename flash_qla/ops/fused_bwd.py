@@ -26,7 +26,7 @@ Inputs (packed varlen, T tokens in all):
                             norm: the walk leaves out the chunks it shows negligible
                             (flash_qla.ops.context_parallel); else any [Hv, x]
     dht      [N, Hv, K, V]  fp32 (read when HAS_DHT)
-Outputs:
+Outputs (then scale, float, the last argument):
     dh       [slots, Hv, K, V] input dtype, dS' of every chunk (slot = global chunk index),
                             rounded as chunk_grads uses it: as a tensor-core operand
     dv       [T, Hv, V]     input dtype

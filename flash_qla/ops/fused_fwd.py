@@ -26,12 +26,13 @@ Inputs (packed varlen, T tokens in all; `cu_seqlens` [N+1] int32):
     gamma    [Hv, slots, C] fp32, chunk-local cumsum of g, chunk-major (kkt_solve; a TMA box
                            must start 16-byte aligned, which token-major rows do not)
     A, P     [T, Hv, C]    input dtype (kkt_solve)
-    chunk_offsets [N+1]    int32, first global chunk index of each sequence (for h)
+    chunk_offsets [N+1]    int32, first global chunk index of each sequence (its chunks' rows of gamma,
+                           log_norms and h)
     log_norms [Hv, slots]  fp32 (read by STATES_ONLY without STORE_H: the split's map and offset walks)
                            kkt_solve's bound on each chunk's transition norm: those walks leave out the
                            chunks it shows negligible (flash_qla.ops.context_parallel); else any [Hv, x]
     h0       [N, Hv, K, V] fp32 (read when HAS_H0)
-Outputs:
+Outputs (then scale, float, the last argument):
     o        [T, Hv, V]    input dtype
     ht       [N, Hv, K, V] fp32 final state
     h        [NT, Hv, K, V] fp32 state at the start of each chunk (written when STORE_H; in the

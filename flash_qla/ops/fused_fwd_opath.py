@@ -25,8 +25,7 @@ Inputs (packed varlen, T tokens in all):
     gamma       [Hv, slots, C] fp32, γ chunk-major (kkt_solve)
     cu_seqlens, chunk_offsets [N + 1] int32
     h0          [N, Hv, K, V] fp32 (HAS_H0; else any [1, Hv, K, V] placeholder)
-    scale       float
-Outputs:
+Outputs (then scale, float, the last argument):
     o           [T, Hv, V]   input dtype
     ht          [N, Hv, K, V] fp32, the final state
 

@@ -25,7 +25,7 @@ Inputs (packed varlen, T tokens in all):
                          for the common bf16 / fp16 β)
     chunk_table [slots, 2] int32, (first token, tokens) of each global chunk
                          (flash_qla.ops.chunks; 0 tokens past the last chunk)
-Outputs:
+Outputs (then slots, int, the grid's chunk slots, the last argument):
     g_cum   [T, Hv]      fp32
     gamma   [Hv, slots, C] fp32, γ again, chunk-major (slot = global chunk index): the
                          fused kernels load a chunk's γ with one aligned TMA box
@@ -34,7 +34,7 @@ Outputs:
                          columns each: computing them there took 32 exponentials a thread)
     A, P    [T, Hv, C]   input dtype (P with FORM_P); row t holds row (t − chunk start) of its
                          chunk's matrix; columns past the row (and past the chunk's end) are 0
-    log_norms [Hv, slots] fp32 (with P): L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|), a bound on the
+    log_norms [Hv, slots] fp32 (with P and BOUNDS): L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|), a bound on the
                          log of the norm of the chunk's state transition (the split walks' skips,
                          flash_qla.ops.context_parallel)
 

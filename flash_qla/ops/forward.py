@@ -247,8 +247,8 @@ def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: boo
 
     Pays where sequences are long and Hv · V / BV chains leave SMs idle: a single sequence from 6401 tokens at 8
     v-heads; at 16-32 where the pieces fill their waves (16/32, inference: 7617-8192, 15105-16384, 22465-22528,
-    22593-24576, 29953-32768 tokens, ...; not 12288); never above 32; or a few such sequences over few heads. training: the forward of a training step (its maps
-    go to the backward), which splits up to TRAINING_SPLIT_GAIN.
+    22593-24576, 29953-32768 tokens, ...; not 12288); never above 32; or a few such sequences over few heads.
+    training: the forward of a training step (its maps go to the backward), which splits up to TRAINING_SPLIT_GAIN.
 
     The inference forward weighs the split against the whole walk at the sequences' own lengths (split_ratio's
     unequal); the training forward against every sequence as long as the longest, the model its margin was

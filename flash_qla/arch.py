@@ -73,7 +73,11 @@ def unsupported_reason(device: torch.device) -> str | None:
     cap = _capability(device)
     if cap not in PROFILES:
         supported = ", ".join(f"sm_{a}{b}" for a, b in PROFILES)
-        return f"no flash_qla kernels for compute capability {cap[0]}.{cap[1]} (supported: {supported})"
+        return (
+            f"no flash_qla kernels for compute capability {cap[0]}.{cap[1]} (supported: {supported}); "
+            "called through flash-linear-attention, which forwards to flash_qla on SM90, SM100 and SM120, "
+            "set FLA_FLASH_QLA=0 to keep FLA's own kernels"
+        )
     return None
 
 

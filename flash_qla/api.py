@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from flash_qla.autograd import ChunkGatedDeltaRuleFunction
 from flash_qla.dispatch import _backward, _forward
+from flash_qla import tensor_cache
 from flash_qla.tensor_cache import cache_last
 from flash_qla.validation import check_backward_inputs, check_inputs, check_options
 
@@ -38,9 +39,10 @@ def _packed_cu_seqlens(cu_seqlens, q):
     """int32 [N + 1] boundaries; a dense batch is B sequences of length T."""
     if cu_seqlens is None:
         B, T = q.shape[:2]
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():  # a cached tensor would hold no values yet
-            return _dense_cu_seqlens.__wrapped__(B, T, q.device)
-        return _dense_cu_seqlens(B, T, q.device)
+        stream = tensor_cache.stream_key(q)
+        if stream is None:  # capturing a CUDA graph: a cached tensor would hold no values yet
+            return _dense_cu_seqlens.__wrapped__(B, T, q.device, 0)
+        return _dense_cu_seqlens(B, T, q.device, stream)
     return cu_seqlens if cu_seqlens.dtype == torch.int32 else _as_int32(cu_seqlens)
 
 
@@ -52,12 +54,14 @@ def _as_int32(cu_seqlens):
 
 
 @functools.lru_cache(maxsize=64)
-def _dense_cu_seqlens(B, T, device):
-    """[0, T, 2T, ..., BT] int32, built once per (B, T, device).
+def _dense_cu_seqlens(B, T, device, stream):
+    """[0, T, 2T, ..., BT] int32, built once per (B, T, device) and stream (tensor_cache.stream_key: a key only).
 
     The layers of a step and the steps of a run share it, and with it the chunk table derived
-    from it (flash_qla.ops.chunks). Nothing writes to it. Built as a normal tensor even under
-    torch.inference_mode: a later call with a gradient saves it for the backward.
+    from it (flash_qla.ops.chunks). Nothing writes to it. Per stream, as every cached device result here
+    (tensor_cache.cache_last): made on the stream that reads it, its values are there before any kernel
+    reads them, and when it is dropped the allocator reuses its memory in that stream's order. Built as a
+    normal tensor even under torch.inference_mode: a later call with a gradient saves it for the backward.
     """
     with torch.inference_mode(False):
         return torch.arange(B + 1, dtype=torch.int32, device=device) * T
@@ -140,6 +144,9 @@ def chunk_gated_delta_rule(
         Boundaries of N sequences packed along T, which requires B == 1; zero-length
         sequences are allowed (their state passes through). Read once on the host for
         validation (a device sync on GPU). Without it every batch row is one sequence, N = B.
+        The lengths and chunk tables are kept per tensor and version: refill a kept tensor in
+        place only with PyTorch ops (they count as edits), not with torch.distributed collectives
+        or kernels writing through its pointer (pass a new tensor then).
     state_v_first : bool
         States are laid out [N, Hv, V, K] instead of [N, Hv, K, V].
     auto_cp : bool

@@ -2,8 +2,9 @@
 
 All layers of a model step usually share one cu_seqlens tensor: what is derived from it
 (its validation, which reads it to the host, and the chunk tables) is then done once.
-The version counter catches in-place edits (not those that bypass it: through .data, .numpy() or
-DLPack); the weak reference lets the tensor go.
+The version counter catches in-place edits by PyTorch ops (not those that bypass it: through .data,
+.numpy() or DLPack, torch.distributed collectives, kernels writing through the pointer); the weak
+reference lets the tensor go.
 A tensor made under torch.inference_mode has no version counter: work on it is not cached
 (done again on every call, a read to the host included); what is cached is made as a normal tensor
 even under inference_mode (a later call with a gradient may save it for its backward).
@@ -33,7 +34,7 @@ def cache_last(fn=None, *, device_result=False):
     def wrapper(tensor, *args):
         if tensor.is_inference():
             return fn(tensor, *args)
-        stream = _stream_key(tensor) if device_result else 0
+        stream = stream_key(tensor) if device_result else 0
         if stream is None:
             return fn(tensor, *args)
         key = (id(tensor), tensor._version, args, stream)
@@ -47,7 +48,7 @@ def cache_last(fn=None, *, device_result=False):
     return wrapper
 
 
-def _stream_key(tensor):
+def stream_key(tensor):
     """The current stream of a CUDA tensor's device (its raw handle: torch.cuda.current_stream() costs ~5 µs),
     None while a CUDA graph is being captured there; 0 for a CPU tensor."""
     if not tensor.is_cuda:

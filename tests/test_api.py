@@ -191,6 +191,29 @@ def test_dense_batch_boundaries_are_built_once_and_match_explicit_ones():
     assert torch.equal(o, o_packed.view_as(o)) and torch.equal(final_state, final_packed)
 
 
+def test_dense_batch_boundaries_are_kept_per_stream(monkeypatch):
+    """The boundary tensor is made on the stream that reads it (streams and CUDA graph capture simulated: no GPU
+    here): each stream gets its own, the same one on every call there; a call under capture gets a new one, not
+    kept (the graph's replays read it from the graph's memory)."""
+    from flash_qla import tensor_cache
+
+    stream = {"key": 1}
+    monkeypatch.setattr(tensor_cache, "stream_key", lambda tensor: stream["key"])
+    _dense_cu_seqlens.cache_clear()
+    q = Case("dense", B=3, T=70, Hqk=1, Hv=2).inputs()["q"]
+    first = _packed_cu_seqlens(None, q)
+    assert _packed_cu_seqlens(None, q) is first
+    stream["key"] = 2
+    second = _packed_cu_seqlens(None, q)
+    assert second is not first and torch.equal(second, first) and _packed_cu_seqlens(None, q) is second
+    stream["key"] = None
+    captured = _packed_cu_seqlens(None, q)
+    assert captured is not first and captured is not second and torch.equal(captured, first)
+    assert _packed_cu_seqlens(None, q) is not captured
+    stream["key"] = 1
+    assert _packed_cu_seqlens(None, q) is first
+
+
 def test_int64_boundaries_are_converted_once_per_tensor():
     """FLA passes int64 cu_seqlens: the layers of a step sharing one get the same int32 tensor (and so the
     chunk tables built from it once); an in-place edit is converted again."""

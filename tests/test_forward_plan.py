@@ -429,7 +429,7 @@ def test_chunk_tables_are_kept_per_stream_and_not_for_a_captured_graph(monkeypat
     C = SM90.chunk
     cu = torch.tensor([0, 64, 200], dtype=torch.int32)
     stream = {"key": 1}
-    monkeypatch.setattr(tensor_cache, "_stream_key", lambda tensor: stream["key"])
+    monkeypatch.setattr(tensor_cache, "stream_key", lambda tensor: stream["key"])
     first = chunk_table(cu, C, 5)
     assert chunk_table(cu, C, 5) is first
     stream["key"] = 2  # another stream

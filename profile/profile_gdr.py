@@ -6,8 +6,9 @@ Runs each implementation --iters times under torch.profiler and prints, per conf
 GPU kernel with its mean time per call and share of the kernels' summed time (two streams' kernels
 overlap, so a call's span can be shorter), ours then FLA's (FLA_FLASH_QLA=0: its Triton kernels, its
 backward's dq / dk / dw / dg step a TileLang kernel on Hopper with Triton 3.4-3.7). Without --skip-bwd
-the backward of o alone (from saved forward outputs, through autograd: FLA's gets a zero gradient for
-the final state, ours none) is profiled too. The develop set is small on purpose: a few seconds per run.
+the backward of o and the final state is profiled too (from saved forward outputs, through autograd; both
+get the same seeded gradients, as the benchmark's train mode). The develop set is small on purpose: a few
+seconds per run.
 
 Each config runs in a fresh process of its own with FLA_CACHE_RESULTS=0, as in
 benchmark/bench_gated_delta_rule.py: FLA's autotuner keys leave the sequence lengths out, so in one
@@ -74,6 +75,9 @@ def profile_config(heads, seqlens, skip_bwd, skip_fla, iters):
     Hqk, Hv = (int(x) for x in heads.split("/"))
     x = make_inputs(1, sum(seqlens), Hqk, Hv, 128, 128, device="cuda")
     cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(x["v"].dtype)
+    dht = torch.randn(len(seqlens), Hv, 128, 128, generator=gen, device="cuda")
     print(f"{heads} seqlens {len(seqlens)}x{seqlens[0]}" if len(set(seqlens)) == 1 else f"{heads} {seqlens}")
     for name, fn in impls.items():
         cu_arg = cu.long() if name == "fla" else cu
@@ -85,11 +89,10 @@ def profile_config(heads, seqlens, skip_bwd, skip_fla, iters):
         if skip_bwd:
             continue
         leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
-        o, _ = fn(**leaves, cu_seqlens=cu_arg, output_final_state=True)
-        do = torch.randn_like(o)
+        o, final_state = fn(**leaves, cu_seqlens=cu_arg, output_final_state=True)
 
         def bwd():
-            torch.autograd.grad(o, list(leaves.values()), do, retain_graph=True)
+            torch.autograd.grad([o, final_state], list(leaves.values()), [do, dht], retain_graph=True)
 
         report(f"{name} backward", kernel_table(bwd, iters), iters)
 

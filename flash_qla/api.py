@@ -10,9 +10,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from flash_qla import tensor_cache
 from flash_qla.autograd import ChunkGatedDeltaRuleFunction
 from flash_qla.dispatch import _backward, _forward
-from flash_qla import tensor_cache
 from flash_qla.tensor_cache import cache_last
 from flash_qla.validation import check_backward_inputs, check_inputs, check_options
 

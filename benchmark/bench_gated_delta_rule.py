@@ -25,10 +25,10 @@ the events see only the GPU work of the call (all of its kernels, gaps between t
 included; a call that syncs the device inside also shows its host work after the sync);
 median of --reps after warm-up. Whole call: host wall clock from a synchronised start to
 the synchronised end of one call, median. FLA runs with FLA_FLASH_QLA=0 so it does not
-dispatch to us and with FLA_CACHE_RESULTS=0 (below), on the same inputs in the same process, with its defaults
-otherwise (its Triton
-kernels; on Hopper with Triton 3.4-3.7 its backward's dq / dk / dw / dg step is FLA's TileLang kernel;
-its opt-in intra-card context parallelism off); the header names the Triton version.
+dispatch to us and with FLA_CACHE_RESULTS=0 (below), on the same inputs in the same process, with
+its defaults otherwise (its Triton kernels; on Hopper with Triton 3.4-3.7 its backward's dq / dk /
+dw / dg step is FLA's TileLang kernel; its opt-in intra-card context parallelism off); the header
+names the Triton version.
 Each config runs in a fresh process of its own (ours and FLA's side by side in it), and with
 FLA_CACHE_RESULTS=0: FLA's autotuner keys leave the sequence lengths out (e.g. ['H', 'HV', 'K', 'V',
 'BT', 'STATE_V_FIRST'] for its state walk), so within a process the first pattern of a head layout

@@ -27,7 +27,7 @@ def _pack(*tensors):
     one B for all)."""
     if tensors[0].shape[0] == 1:
         return tensors
-    return [x.flatten(0, 1).unsqueeze(0) for x in tensors]
+    return [x.reshape(1, -1, *x.shape[2:]) for x in tensors]  # one view (a copy only where strides need one)
 
 
 def _unpack(x, B, T):

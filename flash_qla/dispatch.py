@@ -7,7 +7,8 @@ float64), or None.
 
 CPU tensors run the PyTorch reference. CUDA tensors run the TileLang kernels of the
 device's architecture (flash_qla.arch), forward and backward. CUDA inputs the kernels
-cannot take raise, rather than silently taking a path hundreds of times slower.
+cannot take raise (a ValueError naming q, from the kernels' plans: flash_qla.ops.forward.check_kernel_inputs),
+rather than silently taking a path hundreds of times slower.
 """
 
 import functools
@@ -30,13 +31,6 @@ def _gpu_backward():
     from flash_qla.ops import backward
 
     return backward
-
-
-def _check_kernel_inputs(q, v, seqlens):
-    """Raise a ValueError naming q when the GPU kernels cannot take these inputs."""
-    reason = _gpu_forward().kernel_unsupported_reason(q, v, len(seqlens))
-    if reason is not None:
-        raise ValueError(f"q: {reason}")
 
 
 def _forward(
@@ -71,7 +65,6 @@ def _forward(
         None), which the backward then takes instead of computing them again.
     """
     if q.is_cuda:
-        _check_kernel_inputs(q, v, seqlens)
         return _gpu_forward().forward_kernels(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state, output_h, seqlens, auto_cp,
             training, keep_states, scratch,
@@ -101,7 +94,6 @@ def _backward(
         The kernels use A; the reference recomputes the forward and ignores it.
     """
     if q.is_cuda:
-        _check_kernel_inputs(q, v, seqlens)
         return _gpu_backward().backward_kernels(
             q, k, v, g_cum, beta, A, do, dht, scale, initial_state, cu_seqlens, seqlens, checkpoints, maps, auto_cp,
             chunk_terms,

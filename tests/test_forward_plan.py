@@ -319,14 +319,29 @@ def test_checkpoint_pieces(seqlens, every):
 
 
 def test_kernel_support_reasons():
-    q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
-    assert kernel_unsupported_reason(q, q, 1) is None
-    assert "float32" in kernel_unsupported_reason(q.float(), q, 1)
-    assert "head dims" in kernel_unsupported_reason(q[..., :64], q[..., :64], 1)
+    bf16 = torch.bfloat16
+    assert kernel_unsupported_reason(bf16, 128, 128, 1, 1) is None
+    assert "float32" in kernel_unsupported_reason(torch.float32, 128, 128, 1, 1)
+    assert "head dims" in kernel_unsupported_reason(bf16, 64, 64, 1, 1)
     # kkt_solve's grid has a row per chunk slot: at most 65535 (CUDA's y extent)
-    longest = torch.empty(1, 64 * 65534, 1, 128, dtype=torch.bfloat16, device="meta")
-    assert kernel_unsupported_reason(longest, longest, 1) is None
-    assert "at most 65535 chunk slots" in kernel_unsupported_reason(longest, longest, 2)
+    assert kernel_unsupported_reason(bf16, 128, 128, 64 * 65534, 1) is None
+    assert "at most 65535 chunk slots" in kernel_unsupported_reason(bf16, 128, 128, 64 * 65534, 2)
+
+
+def test_plans_raise_where_the_kernels_cannot_run(monkeypatch):
+    """A forward or backward the kernels cannot run raises a ValueError naming q before anything is planned (the
+    profile is not looked up: an unsupported dtype on an unsupported GPU names the dtype)."""
+    from flash_qla.ops import backward, forward
+
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "get_profile", lambda device: pytest.fail("planned"))
+    cuda, seqlens = torch.device("cuda", 0), (64, 64)
+    with pytest.raises(ValueError, match="^q: the GPU kernels take bfloat16 or float16"):
+        forward.forward_plan(cuda, 128, seqlens, 2, 8, 128, 128, torch.float32, torch.float32, False, False, True,
+                             False, None)  # fmt: skip
+    with pytest.raises(ValueError, match="^q: the GPU kernels support head dims"):
+        backward.backward_plan(cuda, 128, seqlens, 2, 8, 64, 64, torch.bfloat16, torch.bfloat16, True, False, False,
+                               False, False, False, True)  # fmt: skip
 
 
 @pytest.mark.parametrize("empty,pieces", [(4000, True), (65001, False)])
@@ -336,8 +351,7 @@ def test_walks_over_pieces_only_where_their_grid_fits(empty, pieces):
     65001 (67037 pieces, over CUDA's 65535; the slots, 65142, are within it)."""
     seqlens = (9000,) + (0,) * empty
     slots = 9000 // SM90.chunk + len(seqlens)
-    q = torch.empty(1, 9000, 1, 128, dtype=torch.bfloat16, device="meta")
-    assert kernel_unsupported_reason(q, q, len(seqlens)) is None
+    assert kernel_unsupported_reason(torch.bfloat16, 128, 128, 9000, len(seqlens)) is None
     assert pieces_fit_the_grid(seqlens, SM90) == pieces == (len(seqlens) + slots // SM90.checkpoint_chunks <= 65535)
     for training in (False, True):
         assert splits_forward(seqlens, 8, 128, SM90, training) == pieces

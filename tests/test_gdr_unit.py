@@ -287,12 +287,12 @@ def test_split_walks_leave_out_the_chunks_log_norms_show_negligible(BV):
     profile = get_profile(cu.device)
     E, T, scale = profile.checkpoint_chunks, sum(case.seqlens), K**-0.5
     slots = T // C + len(case.seqlens)
-    q, k, v = (x[n][0].contiguous() for n in ("q", "k", "v"))
+    q, k, v = (x[n].contiguous() for n in ("q", "k", "v"))  # packed: [1, T, ...], as the kernels take them
     do = torch.randn(v.shape, generator=torch.Generator().manual_seed(18)).to(v)
-    g_cum, gamma, gates = torch.empty(T, Hv, device="cuda"), torch.empty(Hv, slots, C, device="cuda"), torch.empty(Hv, slots, 2, C, device="cuda")
-    A, P = torch.empty(T, Hv, C, dtype=q.dtype, device="cuda"), torch.empty(T, Hv, C, dtype=q.dtype, device="cuda")
+    g_cum, gamma, gates = torch.empty(1, T, Hv, device="cuda"), torch.empty(Hv, slots, C, device="cuda"), torch.empty(Hv, slots, 2, C, device="cuda")
+    A, P = torch.empty(1, T, Hv, C, dtype=q.dtype, device="cuda"), torch.empty(1, T, Hv, C, dtype=q.dtype, device="cuda")
     kkt = kkt_solve_kernel(Hqk, Hv, K, "bfloat16", profile, "float32")
-    g, beta = x["g"][0].float().contiguous(), x["beta"][0].float().contiguous()
+    g, beta = x["g"].float().contiguous(), x["beta"].float().contiguous()
     kkt(q, k, g, beta, chunk_table(cu, C, slots), g_cum, gamma, gates, A, P, torch.empty(Hv, slots, device="cuda"), slots)
     gate = walk_gate(BV, gamma, gates)
     none = placeholder(q.device, Hv, K, K)
@@ -411,11 +411,12 @@ def test_kkt_gates_are_the_gate_exponentials():
     def poisoned_buffer(*shape, dtype=torch.float32):
         return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
-    g_cum, gamma, gates = poisoned_buffer(T, Hv), poisoned_buffer(Hv, slots, C), poisoned_buffer(Hv, slots, 2, C)
-    A, P = (poisoned_buffer(T, Hv, C, dtype=x["q"].dtype) for _ in range(2))
+    # packed: [1, T, ...], as the kernels take them
+    g_cum, gamma, gates = poisoned_buffer(1, T, Hv), poisoned_buffer(Hv, slots, C), poisoned_buffer(Hv, slots, 2, C)
+    A, P = (poisoned_buffer(1, T, Hv, C, dtype=x["q"].dtype) for _ in range(2))
     kkt = kkt_solve_kernel(Hqk, Hv, 128, "bfloat16", get_profile(x["q"].device), "float32")
-    q, k = x["q"][0].contiguous(), x["k"][0].contiguous()
-    g, beta = x["g"][0].float().contiguous(), x["beta"][0].float().contiguous()
+    q, k = x["q"].contiguous(), x["k"].contiguous()
+    g, beta = x["g"].float().contiguous(), x["beta"].float().contiguous()
     log_norms = poisoned_buffer(Hv, slots)
     kkt(q, k, g, beta, chunk_table(cu, C, slots), g_cum, gamma, gates, A, P, log_norms, slots)
 
@@ -461,11 +462,12 @@ def test_kkt_log_norms_bound_each_chunk_transition():
     def poisoned_buffer(*shape, dtype=torch.float32):
         return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
-    g_cum, gamma, gates = poisoned_buffer(T, Hv), poisoned_buffer(Hv, slots, C), poisoned_buffer(Hv, slots, 2, C)
-    A, P = (poisoned_buffer(T, Hv, C, dtype=q.dtype) for _ in range(2))
+    g_cum, gamma, gates = poisoned_buffer(1, T, Hv), poisoned_buffer(Hv, slots, C), poisoned_buffer(Hv, slots, 2, C)
+    A, P = (poisoned_buffer(1, T, Hv, C, dtype=q.dtype) for _ in range(2))
     log_norms = poisoned_buffer(Hv, slots)
     kkt = kkt_solve_kernel(Hqk, Hv, 128, "bfloat16", get_profile(q.device), "float32")
-    kkt(q, k, g, beta, chunk_table(cu, C, slots), g_cum, gamma, gates, A, P, log_norms, slots)
+    # the kernel takes the packed [1, T, ...] views
+    kkt(q[None], k[None], g[None], beta[None], chunk_table(cu, C, slots), g_cum, gamma, gates, A, P, log_norms, slots)
 
     chunks = [(s, min(C, b + n - s)) for b, n in zip(cu[:-1].tolist(), seqlens) for s in range(b, b + n, C)]
     kh = k.double().repeat_interleave(Hv // Hqk, dim=1)  # [T, Hv, K]
@@ -502,18 +504,18 @@ def test_kkt_backward_mode_gives_the_forward_modes_terms(beta_dtype):
     seqlens, (Hqk, Hv), C = (1, 63, 65, 130, 700), (2, 8), 64
     T, slots = sum(seqlens), sum(seqlens) // C + len(seqlens)
     x, cu, _ = case_inputs(Case("kkt_modes", seqlens, heads=(Hqk, Hv), gate="strong"), seed=15)
-    q, k, g = x["q"][0].contiguous(), x["k"][0].contiguous(), x["g"][0].float().contiguous()
-    beta = (2.5 * torch.rand(T, Hv, generator=torch.Generator().manual_seed(16))).to("cuda", getattr(torch, beta_dtype))
+    q, k, g = x["q"].contiguous(), x["k"].contiguous(), x["g"].float().contiguous()  # packed: [1, T, ...]
+    beta = (2.5 * torch.rand(1, T, Hv, generator=torch.Generator().manual_seed(16))).to("cuda", getattr(torch, beta_dtype))
     table, profile = chunk_table(cu, C, slots), get_profile(q.device)
 
     def outputs():
         nan = float("nan")
         return {
-            "g_cum": torch.full((T, Hv), nan, device="cuda"),
+            "g_cum": torch.full((1, T, Hv), nan, device="cuda"),
             "gamma": torch.full((Hv, slots, C), nan, device="cuda"),
             "gates": torch.full((Hv, slots, 2, C), nan, device="cuda"),
-            "A": torch.full((T, Hv, C), nan, dtype=q.dtype, device="cuda"),
-            "P": torch.full((T, Hv, C), nan, dtype=q.dtype, device="cuda"),
+            "A": torch.full((1, T, Hv, C), nan, dtype=q.dtype, device="cuda"),
+            "P": torch.full((1, T, Hv, C), nan, dtype=q.dtype, device="cuda"),
             "log_norms": torch.full((Hv, slots), nan, device="cuda"),
         }
 

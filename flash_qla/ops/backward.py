@@ -80,6 +80,7 @@ from flash_qla.ops.forward import (
     RECOMPUTE_CHUNK_US,
     WIDE_BLOCK_V,
     beta_kernel_dtype,
+    check_kernel_inputs,
     checkpoint_pieces_expected,
     choose_block_v,
     chunk_step_time,
@@ -240,7 +241,8 @@ def backward_plan(
     remembered. Made on every call, the decisions (the split model over every sequence) and the kernel
     lookups took 13-28 µs of the backward's host time on the H200 (after a training forward, GPU idle:
     2/8 8x4096 166-180 -> 150-153 µs, 16/32 1x2048 155-160 -> 137-146; benchmark/NOTES.md v40). A new
-    seqlens pattern is planned afresh."""
+    seqlens pattern is planned afresh. The first thing: check_kernel_inputs (flash_qla.ops.forward)."""
+    check_kernel_inputs(dtype, K, V, T, len(seqlens))
     profile = get_profile(device)
     C = profile.chunk
     N = len(seqlens)
@@ -309,8 +311,8 @@ def _backward_kernels(
     profile, slots = plan.profile, plan.slots
     C = profile.chunk
     beta_dtype, g_dtype = beta.dtype, torch.float32 if g_cum is None else g_cum.dtype
-    q, k, v = (x[0].contiguous() for x in (q, k, v))
-    do, A = (x[0].to(q.dtype).contiguous() for x in (do, A))
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    do, A = (x.to(q.dtype).contiguous() for x in (do, A))
     cu_seqlens = cu_seqlens.contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
     chunks = chunk_table(cu_seqlens, C, slots)
@@ -325,10 +327,10 @@ def _backward_kernels(
     else:
         gamma = buffers.new((Hv, slots, C), f32, q)
         gates = buffers.new((Hv, slots, 2, C), f32, q)
-        P = buffers.new((T, Hv, C), q.dtype, q)
+        P = buffers.new((1, T, Hv, C), q.dtype, q)
         log_norms = buffers.new((Hv, slots), f32, q)  # formed where the walk splits (its plan's kkt)
-        g_cum = g_cum[0].to(f32).contiguous()
-        beta_in = contiguous_in(beta[0], dbeta_dtype) if plan.split else g_cum  # read for the bounds only
+        g_cum = g_cum.to(f32).contiguous()
+        beta_in = contiguous_in(beta, dbeta_dtype) if plan.split else g_cum  # read for the bounds only
         # backward mode: g_cum is read as g (no cumsum), and A is neither formed nor written
         plan.kkt(q, k, g_cum, beta_in, chunks, g_cum, gamma, gates, A, P, log_norms, slots)
 
@@ -392,7 +394,7 @@ def _backward_kernels(
     if beside is not None:
         main.wait_stream(beside)
     dq, dk = buffers.new_like(q), buffers.new_like(k)
-    dbeta, dg = buffers.new((T, Hv), dbeta_dtype, q), buffers.new((T, Hv), f32, q)
+    dbeta, dg = buffers.new((1, T, Hv), dbeta_dtype, q), buffers.new((1, T, Hv), f32, q)
     if plan.parts > 1:  # the dq and dk sums of an item's first part, and a count an item
         dq_first, dk_first = (buffers.new((slots, C, Hqk, K), f32, q) for _ in range(2))
         counts = buffers.counters(slots * Hqk, q).view(slots, Hqk)
@@ -405,11 +407,11 @@ def _backward_kernels(
     )  # fmt: skip
 
     return (
-        dq[None],
-        dk[None],
-        dv[None],
-        dbeta.to(beta_dtype)[None],  # a conversion only where β has neither q's dtype nor fp32
-        dg.to(g_dtype)[None],
+        dq,
+        dk,
+        dv,
+        dbeta.to(beta_dtype),  # a conversion only where β has neither q's dtype nor fp32
+        dg.to(g_dtype),
         dh0 if has_h0 else None,
     )
 

@@ -48,7 +48,8 @@ triangle of A); the tiles are copied unmasked, and on a sequence's last chunk th
 end of A, q, k, V, dO and dU are zeroed once they arrive (staging.zero_rows_past, in branches
 with barriers of their own), so that an Inf or NaN there does not survive its zero factor.
 
-Inputs (packed varlen, T tokens in all):
+Inputs (packed varlen, T tokens in all;
+the token-major ones passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
     q, k       [T, Hqk, K]   input dtype
     v, do      [T, Hv, V]    input dtype
     dv         [T, Hv, V]    input dtype (fused_bwd)
@@ -147,7 +148,7 @@ import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
 from flash_qla.ops.staging import zero_rows_past
 from flash_qla.reference.backward_stages import BETA_MIN
 
@@ -258,20 +259,20 @@ def chunk_grads_kernel(
 
     @T.prim_func
     def chunk_grads(
-        q: T.Tensor([tokens, Hqk, K], dtype),
-        k: T.Tensor([tokens, Hqk, K], dtype),
-        v: T.Tensor([tokens, Hv, V], dtype),
-        do: T.Tensor([tokens, Hv, V], dtype),
-        dv: T.Tensor([tokens, Hv, V], dtype),
-        A: T.Tensor([tokens, Hv, C], dtype),
+        q: T.Tensor([1, tokens, Hqk, K], dtype),
+        k: T.Tensor([1, tokens, Hqk, K], dtype),
+        v: T.Tensor([1, tokens, Hv, V], dtype),
+        do: T.Tensor([1, tokens, Hv, V], dtype),
+        dv: T.Tensor([1, tokens, Hv, V], dtype),
+        A: T.Tensor([1, tokens, Hv, C], dtype),
         gamma: T.Tensor([Hv, n_slots, C], accum),
         h: T.Tensor([n_slots, Hv, K, V], dtype),
         dh: T.Tensor([n_slots, Hv, K, V], dtype),
         chunk_table: T.Tensor([n_slots, 2], "int32"),
-        dq: T.Tensor([tokens, Hqk, K], dtype),
-        dk: T.Tensor([tokens, Hqk, K], dtype),
-        dbeta: T.Tensor([tokens, Hv], beta_dtype),
-        dg: T.Tensor([tokens, Hv], accum),
+        dq: T.Tensor([1, tokens, Hqk, K], dtype),
+        dk: T.Tensor([1, tokens, Hqk, K], dtype),
+        dbeta: T.Tensor([1, tokens, Hv], beta_dtype),
+        dg: T.Tensor([1, tokens, Hv], accum),
         dq_first: T.Tensor([part_slots, C, Hqk, K], accum),
         dk_first: T.Tensor([part_slots, C, Hqk, K], accum),
         counts: T.Tensor([part_slots, Hqk], "int32"),
@@ -280,6 +281,7 @@ def chunk_grads_kernel(
         blocks: T.int32,
     ):
         with T.Kernel(blocks, threads=profile.grads_threads) as bid:
+            q, k, v, do, dv, A, dq, dk, dbeta, dg = token_major(q, k, v, do, dv, A, dq, dk, dbeta, dg)
             follow_previous_kernel()
             q_s = T.alloc_shared([C, K], dtype)
             k_s = T.alloc_shared([C, K], dtype)

@@ -93,7 +93,7 @@ def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log
     anything reads D: split_walk's maps_beside); every tensor the walk reads outlives that wait (the
     caller's, or cached) but the pieces' tables where they are not cached (a cu_seqlens made under
     inference_mode, a CUDA graph's capture: flash_qla.tensor_cache), which are marked used on beside."""
-    _, Hv, V = v.shape
+    Hv, V = v.shape[2:]
     K = q.shape[-1]
     assert K == V, "the transition M is walked as a state"
     bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
@@ -155,7 +155,7 @@ def split_walk(
     state, in checkpoint_pieces' order (a training backward's recompute walks the same pieces from
     them; the rows past the last non-empty piece are not written).
     """
-    _, Hv, V = v.shape
+    Hv, V = v.shape[2:]
     K = q.shape[-1]
     bounds, firsts, seq_pieces, n, _, last_rows = _pieces(cu_seqlens, slots, profile)
     f32 = torch.float32
@@ -194,7 +194,7 @@ def split_backward_walk(
     dh [slots, Hv, K, V], dv [T, Hv, V]: the outputs; log_norms: kkt_solve's (zeros: every chunk walked). Returns dh0
     [N, Hv, K, V] float32 when store_dh0, else None.
     """
-    _, Hv, V = dv.shape
+    Hv, V = dv.shape[2:]
     K = q.shape[-1]
     bounds, firsts, seq_pieces, n, first_rows, _ = _pieces(cu_seqlens, slots, profile)
     f32 = torch.float32

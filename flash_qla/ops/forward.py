@@ -45,19 +45,27 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 MAX_GRID_YZ = 65535
 
 
-def kernel_unsupported_reason(q: torch.Tensor, v: torch.Tensor, n_seqs: int) -> str | None:
-    """Why the kernels cannot run these (validated, packed: q [1, T, Hqk, K]) inputs of n_seqs sequences, or None."""
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"the GPU kernels take bfloat16 or float16 q/k/v, got {q.dtype}"
-    if (q.shape[-1], v.shape[-1]) not in SUPPORTED_HEAD_DIMS:
-        return f"the GPU kernels support head dims (K, V) in {SUPPORTED_HEAD_DIMS}, got ({q.shape[-1]}, {v.shape[-1]})"
-    slots = q.shape[1] // CHUNK_SIZE + n_seqs
+def kernel_unsupported_reason(dtype: torch.dtype, K: int, V: int, T: int, n_seqs: int) -> str | None:
+    """Why the kernels cannot run a call of q's dtype, head dims K and V, T tokens and n_seqs sequences, or None."""
+    if dtype not in SUPPORTED_DTYPES:
+        return f"the GPU kernels take bfloat16 or float16 q/k/v, got {dtype}"
+    if (K, V) not in SUPPORTED_HEAD_DIMS:
+        return f"the GPU kernels support head dims (K, V) in {SUPPORTED_HEAD_DIMS}, got ({K}, {V})"
+    slots = T // CHUNK_SIZE + n_seqs
     if slots > MAX_GRID_YZ:
         return (
             f"the GPU kernels take at most {MAX_GRID_YZ} chunk slots (T // 64 + N) a call, got {slots} "
-            f"(T = {q.shape[1]} tokens, N = {n_seqs} sequences): split the call"
+            f"(T = {T} tokens, N = {n_seqs} sequences): split the call"
         )
     return None
+
+
+def check_kernel_inputs(dtype: torch.dtype, K: int, V: int, T: int, n_seqs: int) -> None:
+    """Raise a ValueError naming q where the kernels cannot run the call (kernel_unsupported_reason): the first
+    thing a plan does (forward_plan, flash_qla.ops.backward.backward_plan), so a plan made is a call they run."""
+    reason = kernel_unsupported_reason(dtype, K, V, T, n_seqs)
+    if reason is not None:
+        raise ValueError(f"q: {reason}")
 
 
 BLOCK_V_CHOICES = (128, 64, 32, 16)  # V-tile widths of the forward walk, widest first
@@ -391,6 +399,7 @@ class ForwardPlan(NamedTuple):
     walk: Callable | None  # the walk over whole sequences' executable; None when split
     BV: int | None  # that walk's V-tile width
     keeps_checkpoints: bool  # a training forward that keeps state checkpoints (keeps_checkpoints)
+    keep_states: bool  # a training forward that keeps every state (keeps_states)
 
 
 @functools.lru_cache(maxsize=256)
@@ -398,10 +407,14 @@ def forward_plan(
     device, T, seqlens, Hqk, Hv, K, V, dtype, beta_dtype, has_h0, output_h, auto_cp, training, keep_states
 ):  # fmt: skip
     """The ForwardPlan of a forward over these shapes (torch dtypes; beta_dtype: beta_kernel_dtype's) and
-    options, remembered. Made on every call, the decisions (the split model over every sequence) and kernel
+    options (keep_states as the caller gave it: None, True or False), remembered, after check_kernel_inputs.
+    Made on every call, the decisions (the split model over every sequence) and kernel
     lookups put kkt_solve's launch 4 µs later at 16/32 1x2048 and 12-56 µs later at 2/8 8x4096 on the
     H200's host (benchmark/NOTES.md v39). A new seqlens pattern is planned afresh, as every call was before."""
+    check_kernel_inputs(dtype, K, V, T, len(seqlens))
     profile = get_profile(device)
+    keep_states = keeps_states(keep_states, training, output_h, T, Hv, K, V, dtype, profile)
+    assert not (keep_states and (output_h or not training)), "states are kept for a training backward"
     C = profile.chunk
     N = len(seqlens)
     name = DTYPE_NAMES[dtype]
@@ -410,9 +423,9 @@ def forward_plan(
     slots = T // C + N
     # kkt_solve's outputs: g_cum; γ again, chunk-major, for fused_fwd and fused_fwd_opath; e^γ and e^{γ_L − γ},
     # fused_fwd_wide's and fused_fwd_opath's γ; A; P = Q Kᵀ ⊙ Γ ⊙ Lower (unless the walk forms it)
-    specs = ((T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((T, Hv, C), dtype)
+    specs = ((1, T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((1, T, Hv, C), dtype)
     # and, with P, each chunk's log_norms (the split's skips, flash_qla.ops.context_parallel)
-    specs += () if opath else (((T, Hv, C), dtype), ((Hv, slots), f32))
+    specs += () if opath else (((1, T, Hv, C), dtype), ((Hv, slots), f32))
     kkt = kkt_solve_kernel(Hqk, Hv, K, name, profile, DTYPE_NAMES.get(beta_dtype, "float32"), FORM_P=not opath)
     # kept for a backward that recomputes the states, where they pay, and always when the walk split
     # (free then: the pieces' start states); none when every state is kept
@@ -424,7 +437,7 @@ def forward_plan(
         store_h = output_h or keep_states
         walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_h0, store_h, False, keeps, KEEP_H=keep_states)
     walk = None if walk is None else executable(walk)
-    return ForwardPlan(profile, slots, split, opath, specs, executable(kkt), walk, BV, keeps)
+    return ForwardPlan(profile, slots, split, opath, specs, executable(kkt), walk, BV, keeps, keep_states)
 
 
 def _forward_kernels(
@@ -433,8 +446,6 @@ def _forward_kernels(
 ):  # fmt: skip
     _, T, Hqk, K = q.shape
     Hv, V = v.shape[2:]
-    keep_states = keeps_states(keep_states, training, output_h, T, Hv, K, V, q.dtype, get_profile(q.device))
-    assert not (keep_states and (output_h or not training)), "states are kept for a training backward"
     assert not (scratch and (output_h or training)), "scratch holds what this call alone uses"
     beta_dtype = beta_kernel_dtype(beta, q)
     h0 = initial_state
@@ -442,14 +453,14 @@ def _forward_kernels(
         q.device, T, seqlens, Hqk, Hv, K, V, q.dtype, beta_dtype, h0 is not None, output_h, auto_cp, training,
         keep_states,
     )  # fmt: skip
-    profile, slots = plan.profile, plan.slots
+    profile, slots, keep_states = plan.profile, plan.slots, plan.keep_states
     C = profile.chunk
     N = len(seqlens)
     f32 = torch.float32
     # kkt_solve's inputs first: what only the walk reads is prepared while kkt_solve runs
-    q, k = q.squeeze(0).contiguous(), k.squeeze(0).contiguous()
-    g = contiguous_in(g.squeeze(0), f32)
-    beta = contiguous_in(beta.squeeze(0), beta_dtype)
+    q, k = q.contiguous(), k.contiguous()
+    g = contiguous_in(g, f32)
+    beta = contiguous_in(beta, beta_dtype)
     cu_seqlens = cu_seqlens.contiguous()
     chunks = chunk_table(cu_seqlens, C, slots)
     # scratch: read by this call's walk alone
@@ -461,7 +472,7 @@ def _forward_kernels(
     else:
         g_cum, gamma, gates, A, P, log_norms = outs
         plan.kkt(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, log_norms, slots)
-    v = v.squeeze(0).contiguous()
+    v = v.contiguous()
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
 
     h = None  # output_h's fp32 states, or the kept ones in the input dtype, indexed by chunk slot
@@ -523,9 +534,9 @@ def _forward_kernels(
                 log_norms, h0, o, final_state, states, scale,
             )  # fmt: skip
     return (
-        None if scratch else g_cum[None],
-        None if scratch else A[None],
-        o[None],
+        None if scratch else g_cum,
+        None if scratch else A,
+        o,
         h if output_h else None,
         final_state if output_final_state else None,
         checkpoints,

@@ -16,7 +16,8 @@ chunk (the walk's first) the tiles' rows past its end are the next sequence's: d
 are selected to 0 and those of P, A, q and k zeroed in their tiles (staging.zero_ring_rows_past), so
 not even an Inf or NaN there reaches this sequence (a product with a zero factor would not cancel it).
 
-Inputs (packed varlen, T tokens in all):
+Inputs (packed varlen, T tokens in all;
+the token-major ones passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
     q, k     [T, Hqk, K]    input dtype; v-head h reads qk-head h // (Hv // Hqk)
     do       [T, Hv, V]     input dtype, gradient of o
     gamma    [Hv, slots, C] fp32, γ chunk-major (kkt_solve)
@@ -59,7 +60,7 @@ import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import kernel_factory
+from flash_qla.ops.launch import kernel_factory, token_major
 from flash_qla.ops.negligible import kept_first_chunks
 from flash_qla.ops.staging import zero_ring_rows_past
 
@@ -105,22 +106,23 @@ def fused_bwd_kernel(
 
     @T.prim_func
     def fused_bwd(
-        q: T.Tensor([tokens, Hqk, K], dtype),
-        k: T.Tensor([tokens, Hqk, K], dtype),
-        do: T.Tensor([tokens, Hv, V], dtype),
+        q: T.Tensor([1, tokens, Hqk, K], dtype),
+        k: T.Tensor([1, tokens, Hqk, K], dtype),
+        do: T.Tensor([1, tokens, Hv, V], dtype),
         gamma: T.Tensor([Hv, n_slots, C], accum),
-        A: T.Tensor([tokens, Hv, C], dtype),
-        P: T.Tensor([tokens, Hv, C], dtype),
+        A: T.Tensor([1, tokens, Hv, C], dtype),
+        P: T.Tensor([1, tokens, Hv, C], dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         log_norms: T.Tensor([Hv, n_bounds], accum),
         dht: T.Tensor([n_dht, Hv, K, V], accum),
         dh: T.Tensor([n_slots, Hv, K, V], dtype),
-        dv: T.Tensor([tokens, Hv, V], dtype),
+        dv: T.Tensor([1, tokens, Hv, V], dtype),
         dh0: T.Tensor([n_dh0, Hv, K, V], accum),
         scale: T.float32,
     ):
         with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
+            q, k, do, A, P, dv = token_major(q, k, do, A, P, dv)
             ihk = ih // GROUPS
             v0 = iv * BV
             bos = cu_seqlens[n]

@@ -58,7 +58,7 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
 from flash_qla.ops.negligible import kept_first_chunks
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
@@ -115,22 +115,23 @@ def fused_bwd_wide_kernel(
 
     @T.prim_func
     def fused_bwd_wide(
-        q: T.Tensor([tokens, Hqk, K], dtype),
-        k: T.Tensor([tokens, Hqk, K], dtype),
-        do: T.Tensor([tokens, Hv, V], dtype),
+        q: T.Tensor([1, tokens, Hqk, K], dtype),
+        k: T.Tensor([1, tokens, Hqk, K], dtype),
+        do: T.Tensor([1, tokens, Hv, V], dtype),
         gates: T.Tensor([Hv, n_slots, 2, C], accum),
-        A: T.Tensor([tokens, Hv, C], dtype),
-        P: T.Tensor([tokens, Hv, C], dtype),
+        A: T.Tensor([1, tokens, Hv, C], dtype),
+        P: T.Tensor([1, tokens, Hv, C], dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         log_norms: T.Tensor([Hv, n_bounds], accum),
         dht: T.Tensor([n_dht, Hv, K, V], accum),
         dh: T.Tensor([n_slots, Hv, K, V], dtype),
-        dv: T.Tensor([tokens, Hv, V], dtype),
+        dv: T.Tensor([1, tokens, Hv, V], dtype),
         dh0: T.Tensor([n_dh0, Hv, K, V], accum),
         scale: T.float32,
     ):
         with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
+            q, k, do, A, P, dv = token_major(q, k, do, A, P, dv)
             follow_previous_kernel()
             ihk = ih // GROUPS
             v0 = iv * BV

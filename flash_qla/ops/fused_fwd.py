@@ -20,7 +20,8 @@ Reformulations of DESIGN.md §1, each exact in real arithmetic:
 Rounding: V − diag(e^γ) K S and v_new are rounded to the input dtype once each as
 tensor-core operands (the usual form rounds u, w and v_new).
 
-Inputs (packed varlen, T tokens in all; `cu_seqlens` [N+1] int32):
+Inputs (packed varlen, T tokens in all; `cu_seqlens` [N+1] int32;
+the token-major ones passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
     q, k     [T, Hqk, K]   input dtype; v-head h reads qk-head h // (Hv // Hqk)
     v        [T, Hv, V]    input dtype
     gamma    [Hv, slots, C] fp32, chunk-local cumsum of g, chunk-major (kkt_solve; a TMA box
@@ -72,7 +73,7 @@ import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import kernel_factory
+from flash_qla.ops.launch import kernel_factory, token_major
 from flash_qla.ops.negligible import walk_start
 from flash_qla.ops.staging import zero_rows_past
 
@@ -152,22 +153,23 @@ def fused_fwd_kernel(
 
     @T.prim_func
     def fused_fwd(
-        q: T.Tensor([tokens, Hqk, K], dtype),
-        k: T.Tensor([tokens, Hqk, K], dtype),
-        v: T.Tensor([tokens, Hv, V], dtype),
+        q: T.Tensor([1, tokens, Hqk, K], dtype),
+        k: T.Tensor([1, tokens, Hqk, K], dtype),
+        v: T.Tensor([1, tokens, Hv, V], dtype),
         gamma: T.Tensor([Hv, n_slots, C], accum),
-        A: T.Tensor([tokens, Hv, C], dtype),
-        P: T.Tensor([tokens, Hv, C], dtype),
+        A: T.Tensor([1, tokens, Hv, C], dtype),
+        P: T.Tensor([1, tokens, Hv, C], dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         log_norms: T.Tensor([Hv, n_bounds], accum),
         h0: T.Tensor([n_h0, Hv, K, V], accum),
-        o: T.Tensor([tokens, Hv, V], dtype),
+        o: T.Tensor([1, tokens, Hv, V], dtype),
         ht: T.Tensor([n_seqs, Hv, K, ht_cols], ht_dtype),
         h: T.Tensor([n_chunks, Hv, K, V], h_dtype),
         scale: T.float32,
     ):
         with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
+            q, k, v, A, P, o = token_major(q, k, v, A, P, o)
             ihk = ih // GROUPS
             v0 = iv * BV
             bos, first_chunk = walk_start(log_norms, ih, cu_seqlens, chunk_offsets, n, C, E, SKIPS, MAPS)

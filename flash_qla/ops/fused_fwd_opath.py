@@ -17,7 +17,8 @@ operand of P v_new, where kkt_solve rounded it for its store), so o matches fuse
 to rounding (2/8 8x4096: 1.5e-5 relative; both 3.4e-3 from the fp32 reference) and the final
 state is bitwise equal.
 
-Inputs (packed varlen, T tokens in all):
+Inputs (packed varlen, T tokens in all;
+the token-major ones passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
     q, k        [T, Hqk, K]  input dtype; v-head h reads qk-head h // (Hv // Hqk)
     v           [T, Hv, V]   input dtype
     gates       [Hv, slots, 2, C] fp32, e^γ and e^{γ_L − γ} (kkt_solve)
@@ -82,7 +83,7 @@ from tilelang.layout import make_full_bank_swizzled_layout
 from tilelang.transform import PassConfigKey
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
 from flash_qla.ops.staging import load_transposed, stage_rows, zero_rows_past_by_lanes
 
 LOG2E = 1.4426950408889634
@@ -178,20 +179,21 @@ def fused_fwd_opath_kernel(Hqk: int, Hv: int, K: int, V: int, dtype: str, profil
 
     @T.prim_func
     def fused_fwd_opath(
-        q: T.Tensor([tokens, Hqk, K], dtype),
-        k: T.Tensor([tokens, Hqk, K], dtype),
-        v: T.Tensor([tokens, Hv, V], dtype),
+        q: T.Tensor([1, tokens, Hqk, K], dtype),
+        k: T.Tensor([1, tokens, Hqk, K], dtype),
+        v: T.Tensor([1, tokens, Hv, V], dtype),
         gates: T.Tensor([Hv, n_slots, 2, C], accum),
-        A: T.Tensor([tokens, Hv, C], dtype),
+        A: T.Tensor([1, tokens, Hv, C], dtype),
         gamma: T.Tensor([Hv, n_slots, C], accum),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         h0: T.Tensor([n_h0, Hv, K, V], accum),
-        o: T.Tensor([tokens, Hv, V], dtype),
+        o: T.Tensor([1, tokens, Hv, V], dtype),
         ht: T.Tensor([n_seqs, Hv, K, V], accum),
         scale: T.float32,
     ):
         with T.Kernel(NV, Hv, n_seqs, threads=512) as (iv, ih, n):
+            q, k, v, A, o = token_major(q, k, v, A, o)
             follow_previous_kernel()
             ihk = ih // GROUPS
             v0 = iv * BV

@@ -56,7 +56,7 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
 from flash_qla.ops.negligible import walk_start
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
@@ -122,22 +122,23 @@ def fused_fwd_wide_kernel(
 
     @T.prim_func
     def fused_fwd_wide(
-        q: T.Tensor([tokens, Hqk, K], dtype),
-        k: T.Tensor([tokens, Hqk, K], dtype),
-        v: T.Tensor([tokens, Hv, V], dtype),
+        q: T.Tensor([1, tokens, Hqk, K], dtype),
+        k: T.Tensor([1, tokens, Hqk, K], dtype),
+        v: T.Tensor([1, tokens, Hv, V], dtype),
         gates: T.Tensor([Hv, n_slots, 2, C], accum),
-        A: T.Tensor([tokens, Hv, C], dtype),
-        P: T.Tensor([tokens, Hv, C], dtype),
+        A: T.Tensor([1, tokens, Hv, C], dtype),
+        P: T.Tensor([1, tokens, Hv, C], dtype),
         cu_seqlens: T.Tensor([n_seqs + 1], "int32"),
         chunk_offsets: T.Tensor([n_seqs + 1], "int32"),
         log_norms: T.Tensor([Hv, n_bounds], accum),
         h0: T.Tensor([n_h0, Hv, K, V], accum),
-        o: T.Tensor([tokens, Hv, V], dtype),
+        o: T.Tensor([1, tokens, Hv, V], dtype),
         ht: T.Tensor([n_seqs, Hv, K, ht_cols], ht_dtype),
         h: T.Tensor([n_chunks, Hv, K, V], h_dtype),
         scale: T.float32,
     ):
         with T.Kernel(NV, Hv, n_seqs, threads=THREADS) as (iv, ih, n):
+            q, k, v, A, P, o = token_major(q, k, v, A, P, o)
             follow_previous_kernel()
             ihk = ih // GROUPS
             v0 = iv * BV

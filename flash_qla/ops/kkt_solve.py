@@ -18,7 +18,8 @@ instead, on two warpgroups of their own taking alternate chunks (fused_fwd_opath
 that walk less than it saves here: an inference forward at 64 columns runs this kernel without
 P (FORM_P off: no q, no Q Kᵀ, no P), 2/8 8x4096 forward 157.6 -> 150.3 µs (v37).
 
-Inputs (packed varlen, T tokens in all):
+Inputs (packed varlen, T tokens in all;
+the token-major ones passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
     q, k    [T, Hqk, K]  input dtype; v-head h reads qk-head h // (Hv // Hqk)
     g       [T, Hv]      fp32 (the launcher converts)
     beta    [T, Hv]      the input dtype or fp32 (`beta_dtype`; read as fp32: no cast launch
@@ -100,7 +101,7 @@ import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel, kernel_factory
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
 
 LOG2E = 1.4426950408889634
 DIAG = 8  # diagonal blocks inverted by forward substitution
@@ -395,35 +396,37 @@ def kkt_solve_kernel(
 
         @T.prim_func
         def kkt_solve(
-            q: T.Tensor([tokens, Hqk, K], dtype),
-            k: T.Tensor([tokens, Hqk, K], dtype),
-            g: T.Tensor([tokens, Hv], accum),
-            beta: T.Tensor([tokens, Hv], beta_dtype),
+            q: T.Tensor([1, tokens, Hqk, K], dtype),
+            k: T.Tensor([1, tokens, Hqk, K], dtype),
+            g: T.Tensor([1, tokens, Hv], accum),
+            beta: T.Tensor([1, tokens, Hv], beta_dtype),
             chunk_table: T.Tensor([n_slots, 2], "int32"),
-            g_cum: T.Tensor([tokens, Hv], accum),
+            g_cum: T.Tensor([1, tokens, Hv], accum),
             gamma: T.Tensor([Hv, n_slots, C], accum),
             gates: T.Tensor([Hv, n_slots, 2, C], accum),
-            A: T.Tensor([tokens, Hv, C], dtype),
-            P: T.Tensor([tokens, Hv, C], dtype),
+            A: T.Tensor([1, tokens, Hv, C], dtype),
+            P: T.Tensor([1, tokens, Hv, C], dtype),
             log_norms: T.Tensor([Hv, n_slots], accum),
             slots: T.int32,
         ):
+            q, k, g, beta, g_cum, A, P = token_major(q, k, g, beta, g_cum, A, P)
             kkt_solve_body(q, k, g, beta, chunk_table, g_cum, gamma, gates, A, P, log_norms, slots)
 
     else:
 
         @T.prim_func
         def kkt_solve(
-            k: T.Tensor([tokens, Hqk, K], dtype),
-            g: T.Tensor([tokens, Hv], accum),
-            beta: T.Tensor([tokens, Hv], beta_dtype),
+            k: T.Tensor([1, tokens, Hqk, K], dtype),
+            g: T.Tensor([1, tokens, Hv], accum),
+            beta: T.Tensor([1, tokens, Hv], beta_dtype),
             chunk_table: T.Tensor([n_slots, 2], "int32"),
-            g_cum: T.Tensor([tokens, Hv], accum),
+            g_cum: T.Tensor([1, tokens, Hv], accum),
             gamma: T.Tensor([Hv, n_slots, C], accum),
             gates: T.Tensor([Hv, n_slots, 2, C], accum),
-            A: T.Tensor([tokens, Hv, C], dtype),
+            A: T.Tensor([1, tokens, Hv, C], dtype),
             slots: T.int32,
         ):
+            k, g, beta, g_cum, A = token_major(k, g, beta, g_cum, A)
             kkt_solve_body(None, k, g, beta, chunk_table, g_cum, gamma, gates, A, None, None, slots)
 
     return tilelang.compile(kkt_solve, target=profile.target)

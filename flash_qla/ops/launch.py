@@ -90,3 +90,11 @@ def follow_previous_kernel():
     """
     T.pdl_sync()
     T.pdl_trigger()
+
+
+def token_major(*packed):
+    """Inside a kernel: the [T, ...] views of packed token-major arguments [1, T, ...] (flash_qla.dispatch's
+    layout), one for each, a tuple. The host hands the kernels the packed tensors as they are (a view a tensor
+    cost ~1 µs of host time a launch); the same memory and strides, so the device code is a [T, ...]
+    argument's, byte for byte."""
+    return tuple(T.reshape(x, x.shape[1:]) for x in packed)

@@ -1,0 +1,294 @@
+"""Every kernel launch of the GPU forward and backward against the kernel's own signature, without a GPU.
+
+The orchestration (flash_qla.ops.forward, backward, context_parallel) runs on CPU tensors along each route the
+planner takes, with each kernel's executable swapped for a stand-in that checks the arguments as TileLang's
+launcher does on the GPU: their number, each tensor's dims, dtype and contiguity, the static extents, and that
+the symbolic ones (tokens, slots, sequences) agree between arguments. The kernels are traced, not compiled: their
+signatures are their TIR functions' parameters. Streams are stand-ins too; nothing is computed. On the GPU a
+mismatch raises at the launch; here it fails in CI.
+"""
+
+import contextlib
+import inspect
+from typing import NamedTuple
+
+import pytest
+import tilelang
+import torch
+from tvm import arith, tirx
+
+import flash_qla
+from flash_qla import api, autograd, dispatch
+from flash_qla.arch import SM90
+from flash_qla.ops import backward, context_parallel, forward
+
+SCALARS = {"int32": int, "float32": float}
+
+
+class Launch:
+    """A kernel's parameters, checking each launch's arguments against them; `launched` records the kernel's name."""
+
+    def __init__(self, func, launched):
+        self.name = str(func.attrs["global_symbol"])
+        buffers = func.buffer_map
+        self.params = [
+            (str(buffers[p].name if p in buffers else p.name), buffers.get(p), str(p.dtype)) for p in func.params
+        ]
+        self.launched = launched
+
+    def __call__(self, *args):
+        assert len(args) == len(self.params), f"{self.name}: {len(args)} arguments, {len(self.params)} parameters"
+        sizes, compound = {}, []
+        for (name, buffer, dtype), arg in zip(self.params, args):
+            where = f"{self.name}({name})"
+            if buffer is None:
+                assert type(arg) is SCALARS[dtype], f"{where}: {type(arg).__name__} for {dtype}"
+                continue
+            assert isinstance(arg, torch.Tensor), f"{where}: {type(arg).__name__}"
+            shape = list(buffer.shape)
+            assert arg.dim() == len(shape), f"{where}: shape {tuple(arg.shape)} for {shape}"
+            assert arg.dtype == getattr(torch, str(buffer.dtype)), f"{where}: {arg.dtype} for {buffer.dtype}"
+            assert arg.is_contiguous(), f"{where}: strides {arg.stride()}"
+            for extent, size in zip(shape, arg.shape):
+                if isinstance(extent, tirx.Var):
+                    assert sizes.setdefault(extent, size) == size, (
+                        f"{where}: {extent} = {size}, elsewhere {sizes[extent]}"
+                    )
+                else:
+                    compound.append((where, extent, size))
+        for where, extent, size in compound:  # constants, and `n + 1` (its n bound by it where no dim is n alone)
+            if isinstance(extent, tirx.Add) and isinstance(extent.a, tirx.Var) and extent.a not in sizes:
+                sizes[extent.a] = size - int(extent.b)
+            value = arith.Analyzer().simplify(tirx.stmt_functor.substitute(extent, sizes))
+            assert int(value) == size, f"{where}: {size} for {extent} = {value}"
+        self.launched.append(self.name)
+
+
+class Stream:
+    """Stands in for a CUDA stream: the orchestration forks and joins streams, nothing runs on them."""
+
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Swap every kernel factory the orchestration calls for one that traces the kernel (no compile) into a
+    Launch, and the GPU-only calls for stand-ins. Returns the names of the kernels launched, in order."""
+    names, traced = [], {}
+    monkeypatch.setattr(tilelang, "compile", lambda func, target=None, **kwargs: func)
+
+    def tracing(factory):
+        def build(*args, **kwargs):
+            key = (args, tuple(kwargs.items()))
+            if key not in traced:
+                traced[key] = Launch(factory.__wrapped__(*args, **kwargs), names)
+            return traced[key]
+
+        return build
+
+    for module in (forward, backward, context_parallel):
+        for name in dir(module):
+            if name.endswith("_kernel") and hasattr(getattr(module, name), "cache_info"):
+                monkeypatch.setattr(module, name, tracing(getattr(module, name)))
+        monkeypatch.setattr(module, "executable", lambda kernel: kernel)
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "get_profile", lambda device: SM90)
+        monkeypatch.setattr(module, "on_device", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(module, "side_stream", lambda device: Stream())
+    monkeypatch.setattr(backward, "multiprocessors", lambda device: SM90.num_sms)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
+    forward.forward_plan.cache_clear()
+    backward.backward_plan.cache_clear()
+    yield names
+    forward.forward_plan.cache_clear()
+    backward.backward_plan.cache_clear()
+
+
+def packed_inputs(seqlens, Hqk, Hv, dtype, h0):
+    """Packed inputs [1, T, ...] on the CPU, as flash_qla.dispatch hands them over (values do not matter)."""
+    T, K = sum(seqlens), 128
+    cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k = (torch.zeros(1, T, Hqk, K, dtype=dtype) for _ in range(2))
+    v = torch.zeros(1, T, Hv, K, dtype=dtype)
+    g, beta = torch.zeros(1, T, Hv), torch.zeros(1, T, Hv, dtype=dtype)
+    state = torch.zeros(len(seqlens), Hv, K, K) if h0 else None
+    return q, k, v, g, beta, K**-0.5, state, cu
+
+
+class Route(NamedTuple):
+    """A route through the orchestration: inputs, forward options, planner decisions forced (name: value), and
+    the kernels the forward and the backward after it launch (None: no backward)."""
+
+    seqlens: tuple
+    heads: tuple
+    dtype: torch.dtype = torch.bfloat16
+    h0: bool = False
+    options: dict = {}
+    planner: dict = {}
+    forward: set = frozenset()
+    backward: set | None = None
+
+
+FWD_SPLIT = {"kkt_solve", "fused_fwd_wide", "compose_maps"}  # kkt_solve, the map and offsets walks, compose, the walk
+ROUTES = {
+    "inference_opath": Route((2048,), (16, 32), options=dict(scratch=True), forward={"kkt_solve", "fused_fwd_opath"}),
+    "inference_narrow_16": Route(
+        (2048,), (2, 8), h0=True, options=dict(scratch=True), forward={"kkt_solve", "fused_fwd"}
+    ),
+    "inference_wide_128_fp16": Route(
+        (2048, 2048),
+        (16, 48),
+        torch.float16,
+        options=dict(output_final_state=True),
+        forward={"kkt_solve", "fused_fwd_wide"},
+    ),
+    "inference_split": Route((32768,), (2, 8), h0=True, options=dict(output_final_state=True), forward=FWD_SPLIT),
+    "low_level_output_h_varlen": Route(
+        (0, 1, 63, 64, 65, 130),
+        (4, 8),
+        h0=True,
+        options=dict(output_h=True),
+        forward={"kkt_solve", "fused_fwd"},
+        backward={"kkt_solve", "fused_fwd_wide", "fused_bwd_wide", "chunk_grads"},
+    ),
+    "low_level_split_backward": Route(
+        (32768,),
+        (2, 8),
+        options=dict(auto_cp=False),
+        forward={"kkt_solve", "fused_fwd"},
+        backward={"kkt_solve", "fused_fwd", "fused_fwd_wide", "fused_bwd_wide", "compose_maps", "chunk_grads"},
+    ),
+    "training_kept_states": Route(
+        (1000,) * 8,
+        (2, 8),
+        h0=True,
+        options=dict(training=True, keep_states=True),
+        forward={"kkt_solve", "fused_fwd_wide"},
+        backward={"fused_bwd_wide", "chunk_grads"},
+    ),
+    "training_narrow": Route(
+        (2048,),
+        (2, 8),
+        torch.float16,
+        h0=True,
+        options=dict(training=True),
+        forward={"kkt_solve", "fused_fwd"},
+        backward={"fused_bwd", "chunk_grads"},
+    ),
+    "training_checkpoints": Route(
+        (12288,),
+        (16, 32),
+        options=dict(training=True, keep_states=False),
+        planner=dict(splits_forward=False),
+        forward={"kkt_solve", "fused_fwd"},
+        backward={"fused_fwd_wide", "fused_bwd_wide", "chunk_grads"},
+    ),
+    "training_split": Route(
+        (32768,),
+        (2, 8),
+        torch.float16,
+        h0=True,
+        options=dict(training=True, output_final_state=True),
+        forward=FWD_SPLIT,
+        backward={"fused_bwd_wide", "compose_maps", "chunk_grads"},
+    ),
+}
+
+
+@pytest.mark.parametrize("route", ROUTES.values(), ids=ROUTES.keys())
+def test_every_launch_matches_its_kernel(launched, monkeypatch, route):
+    """The forward (and, where the route has one, the backward after it: a training one from what the forward kept,
+    else the low-level one from g_cum and A) launches each kernel with arguments its signature takes; the kernels
+    launched are the route's."""
+    for name, decision in route.planner.items():
+        monkeypatch.setattr(forward, name, lambda *args, decision=decision, **kwargs: decision)
+    q, k, v, g, beta, scale, h0, cu = packed_inputs(route.seqlens, *route.heads, route.dtype, route.h0)
+    options = dict(dict(output_final_state=False, output_h=False, auto_cp=True, training=False), **route.options)
+    g_cum, A, o, h, final_state, checkpoints, maps, chunk_terms = forward.forward_kernels(
+        q, k, v, g, beta, scale, h0, cu, options["output_final_state"], options["output_h"], route.seqlens,
+        options["auto_cp"], options["training"], options.get("keep_states"), options.get("scratch", False),
+    )  # fmt: skip
+    assert o.shape == v.shape and set(launched) == route.forward, launched
+    if route.backward is None:
+        return
+    del launched[:]
+    do, dht = torch.zeros_like(o), torch.zeros(len(route.seqlens), route.heads[1], 128, 128)
+    grads = backward.backward_kernels(
+        q, k, v, g_cum, beta, A, do, dht, scale, h0, cu, route.seqlens, checkpoints, maps, True, chunk_terms
+    )
+    assert set(launched) == route.backward, launched
+    assert [x.shape for x in grads[:5]] == [q.shape, k.shape, v.shape, beta.shape, g.shape]
+
+
+def test_routes_reach_every_kernel():
+    """The routes above launch every kernel the precompile lists build (each route's launches are its table
+    entry's: test_every_launch_matches_its_kernel; a kernel's name is its factory's without `_kernel`)."""
+    reached = set().union(*(route.forward | (route.backward or set()) for route in ROUTES.values()))
+    layout = (SM90, 2, 8, "bfloat16")
+    builds = forward.forward_kernel_builds(*layout) + backward.backward_kernel_builds(*layout)
+    assert reached == {factory.__name__.removesuffix("_kernel") for factory, _ in builds}
+
+
+@pytest.fixture
+def gpu_route(launched, monkeypatch):
+    """As `launched`, and CPU tensors take flash_qla.dispatch's GPU branch from the public API down."""
+
+    def gpu_branch(core, kernels):
+        """core's arguments, bound by its own signature (defaults filled in), handed to the GPU kernels."""
+        signature = inspect.signature(core)
+
+        def branch(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return kernels(*bound.args)
+
+        return branch
+
+    gpu_forward = gpu_branch(dispatch._forward, forward.forward_kernels)
+    gpu_backward = gpu_branch(dispatch._backward, backward.backward_kernels)
+    for module in (api, autograd):
+        monkeypatch.setattr(module, "_forward", gpu_forward)
+        monkeypatch.setattr(module, "_backward", gpu_backward)
+    return launched
+
+
+def test_a_dense_batch_trains_through_the_public_api(gpu_route):
+    """chunk_gated_delta_rule over a dense batch of two (one reshape packs each input), with a learnable initial
+    state in the V-first layout and the final state in the loss: autograd's forward and backward launch every
+    kernel with arguments its signature takes, and every gradient comes back in its input's shape."""
+    B, T, Hqk, Hv, K = 2, 300, 2, 8, 128
+    q, k = (torch.zeros(B, T, Hqk, K, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.zeros(B, T, Hv, K, dtype=torch.bfloat16, requires_grad=True)
+    g, beta = (torch.zeros(B, T, Hv, requires_grad=True) for _ in range(2))
+    h0 = torch.zeros(B, Hv, K, K, requires_grad=True)
+    o, final_state = flash_qla.chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, state_v_first=True
+    )
+    assert "kkt_solve" in gpu_route and o.shape == v.shape and final_state.shape == h0.shape
+    (o.float().sum() + final_state.sum()).backward()
+    assert "chunk_grads" in gpu_route
+    for x in (q, k, v, g, beta, h0):
+        assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_the_low_level_entry_points_over_a_dense_batch(gpu_route):
+    """chunk_gated_delta_rule_fwd with every output over a dense batch of two, then chunk_gated_delta_rule_bwd from
+    its g_cum and A: each launch as its kernel's signature takes it; the outputs in the documented shapes."""
+    B, T, Hqk, Hv, K = 2, 200, 4, 8, 128
+    q, k = (torch.zeros(B, T, Hqk, K, dtype=torch.float16) for _ in range(2))
+    v, do = (torch.zeros(B, T, Hv, K, dtype=torch.float16) for _ in range(2))
+    g, beta = torch.zeros(B, T, Hv), torch.zeros(B, T, Hv, dtype=torch.float16)
+    h0 = torch.zeros(B, Hv, K, K)
+    g_cum, A, o, h, final_state = flash_qla.chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, initial_state=h0, output_h=True
+    )
+    assert (g_cum.shape, A.shape, o.shape) == ((B, T, Hv), (B, T, Hv, 64), v.shape)
+    assert h.shape == (B * -(-T // 64), Hv, K, K) and final_state.shape == h0.shape
+    grads = flash_qla.chunk_gated_delta_rule_bwd(q, k, v, g_cum, beta, A, do, dht=final_state, initial_state=h0)
+    assert [x.shape for x in grads] == [q.shape, k.shape, v.shape, beta.shape, g.shape, h0.shape]
+    assert "chunk_grads" in gpu_route

@@ -144,14 +144,14 @@ def split_walk(
     walk / offsets: the TileLang executables of the forward walk (HAS_H0, storing h when h is
     given) and of the walk giving b (STATES_ONLY, from S = 0, no h), walk_gate / offsets_gate
     their gate inputs (flash_qla.ops.forward.walk_gate); D: the pieces' maps (maps_of_pieces,
-    at offsets' width); q, k [T, Hqk, K], v [T, Hv, V], A, P [T, Hv, C] as the forward walk
+    at offsets' width); q, k [1, T, Hqk, K], v [1, T, Hv, V], A, P [1, T, Hv, C] as the forward walk
     takes them; cu_seqlens [N + 1] and the lengths it holds (host ints); initial_state
     [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] or None (float32 for output_h, q's dtype with
     keep_states: the walk's STORE_H / KEEP_H); log_norms: kkt_solve's;
     maps_beside: the stream maps_of_pieces walked D on (its beside), which compose_maps waits for;
     None when D was walked on the current stream.
 
-    Returns o [T, Hv, V], final_state [N, Hv, K, V] and starts [n, Hv, K, V]: every piece's start
+    Returns o [1, T, Hv, V], final_state [N, Hv, K, V] and starts [n, Hv, K, V]: every piece's start
     state, in checkpoint_pieces' order (a training backward's recompute walks the same pieces from
     them; the rows past the last non-empty piece are not written).
     """
@@ -191,7 +191,7 @@ def split_backward_walk(
     gradients (ENDS_ONLY), both taking `gate`; D: the pieces' maps (maps_of_pieces, or those of
     a forward that split the same sequences); q, k, do, A, P as the walks take them;
     cu_seqlens [N + 1] and the lengths it holds (host ints); dht [N, Hv, K, V] float32 or None;
-    dh [slots, Hv, K, V], dv [T, Hv, V]: the outputs; log_norms: kkt_solve's (zeros: every chunk walked). Returns dh0
+    dh [slots, Hv, K, V], dv [1, T, Hv, V]: the outputs; log_norms: kkt_solve's (zeros: every chunk walked). Returns dh0
     [N, Hv, K, V] float32 when store_dh0, else None.
     """
     Hv, V = dv.shape[2:]

@@ -16,7 +16,7 @@ import flash_qla
 from flash_qla.reference.chunked import chunk_gated_delta_rule_fwd_ref
 from flash_qla.reference.inputs import make_inputs
 from gpu_cases import (
-    CASES, FWD_TOL, OUTPUT_H_CASES, SPLIT_CASES, Case, case_inputs, patch_planner, record_calls, rel_l2,
+    CASES, FWD_TOL, OUTPUT_H_CASES, SPLIT_CASES, Case, case_inputs, patch_planner, record_calls, rel_l2, strided,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -637,3 +637,37 @@ def test_unsupported_head_dim_raises():
     x = make_inputs(1, 64, 2, 2, 64, 64, device="cuda")
     with pytest.raises(ValueError, match="head dims"):
         flash_qla.chunk_gated_delta_rule(**x)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize(
+    "layout,case",
+    [
+        ("fused", Case("fused_dense_B2", (), dense=(2, 300), heads=(2, 8), h0=True)),
+        ("fused", Case("fused_varlen", (0, 1, 63, 65, 700), heads=(4, 8))),
+        ("batch_stride", Case("batch_stride_varlen", (100, 2000), heads=(16, 32), h0=True)),
+    ],
+    ids=["fused_dense_B2", "fused_varlen", "batch_stride_varlen"],
+)
+def test_strided_inputs_give_the_contiguous_results(layout, case, training, poisoned):
+    """Inputs that are views of other memory give bitwise the results of the same values contiguous: o, the final
+    state and, training, every gradient. The host makes the views contiguous where the kernels need it (the
+    batch_stride layout passes as it comes: torch counts it contiguous, its size-1 dim's stride unread)."""
+    x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
+    do = torch.randn_like(x["v"])
+
+    def run(inputs):
+        if training:  # leaves in the inputs' own layout (detach keeps the strides)
+            inputs = {name: t.detach().requires_grad_() for name, t in inputs.items()}
+        o, ht = flash_qla.chunk_gated_delta_rule(**inputs, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        if not training:
+            return o, ht
+        return (o, ht, *torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(), list(inputs.values())))
+
+    contiguous = run(x)
+    views = {name: strided(t, layout) for name, t in x.items()}
+    assert all(v.is_contiguous() == (layout == "batch_stride") for v in views.values())
+    got = run(views)
+    assert len(got) == (7 if training else 2)
+    for name, want, value in zip(("o", "final_state", *(f"d{name}" for name in x)), contiguous, got):
+        assert torch.equal(value, want), name

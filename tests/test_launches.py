@@ -21,6 +21,8 @@ import flash_qla
 from flash_qla import api, autograd, dispatch
 from flash_qla.arch import SM90
 from flash_qla.ops import backward, context_parallel, forward
+from flash_qla.reference.inputs import make_inputs
+from gpu_cases import strided
 
 SCALARS = {"int32": int, "float32": float}
 
@@ -257,23 +259,26 @@ def gpu_route(launched, monkeypatch):
     return launched
 
 
-def test_a_dense_batch_trains_through_the_public_api(gpu_route):
-    """chunk_gated_delta_rule over a dense batch of two (one reshape packs each input), with a learnable initial
-    state in the V-first layout and the final state in the loss: autograd's forward and backward launch every
-    kernel with arguments its signature takes, and every gradient comes back in its input's shape."""
-    B, T, Hqk, Hv, K = 2, 300, 2, 8, 128
-    q, k = (torch.zeros(B, T, Hqk, K, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    v = torch.zeros(B, T, Hv, K, dtype=torch.bfloat16, requires_grad=True)
-    g, beta = (torch.zeros(B, T, Hv, requires_grad=True) for _ in range(2))
+@pytest.mark.parametrize("B,layout", [(2, None), (2, "fused"), (1, "batch_stride")])
+def test_training_through_the_public_api(gpu_route, B, layout):
+    """chunk_gated_delta_rule over a dense batch (of two: one reshape packs each input), with a learnable initial
+    state in the V-first layout and the final state in the loss, its inputs contiguous or views of other memory
+    (gpu_cases.strided): autograd's forward and backward launch every kernel with arguments its signature takes
+    (contiguous ones among them), and every gradient comes back in its input's shape."""
+    T, Hqk, Hv, K = 300, 2, 8, 128
+    x = make_inputs(B, T, Hqk, Hv, K, K)
+    if layout is not None:
+        x = {name: strided(t, layout) for name, t in x.items()}
+    x = {name: t.detach().requires_grad_() for name, t in x.items()}
     h0 = torch.zeros(B, Hv, K, K, requires_grad=True)
     o, final_state = flash_qla.chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state=h0, output_final_state=True, state_v_first=True
+        **x, initial_state=h0, output_final_state=True, state_v_first=True
     )
-    assert "kkt_solve" in gpu_route and o.shape == v.shape and final_state.shape == h0.shape
+    assert "kkt_solve" in gpu_route and o.shape == x["v"].shape and final_state.shape == h0.shape
     (o.float().sum() + final_state.sum()).backward()
     assert "chunk_grads" in gpu_route
-    for x in (q, k, v, g, beta, h0):
-        assert x.grad is not None and x.grad.shape == x.shape
+    for t in (*x.values(), h0):
+        assert t.grad is not None and t.grad.shape == t.shape
 
 
 def test_the_low_level_entry_points_over_a_dense_batch(gpu_route):

@@ -3,13 +3,14 @@
     python profile/host_glue.py [--heads 16/32] [--seqs 1x2048] [--calls 3000] [--rounds 9]
 
 CPU tensors take the GPU route (flash_qla.ops.forward) with the kernels stubbed: each launch records the time
-and does nothing, the streams and the device's profile are stand-ins (a route that splits works too). Prints, in µs a call (the median over
-rounds of each round's mean), the time from the call to kkt_solve's launch, to the walk's launch (the last
-launch) and to the return. What it leaves out is what only the GPU's host has: the launches themselves
-(TileLang's TVM-FFI calls), CUDA's allocations (the buffers here are the CPU's: for large calls, whose
-buffers are too large to keep as scratch, far slower than CUDA's caching allocator), stream queries. On the H200 a call's latency is that host
-work up to the first launch, then the kernels and the sync (README, Benchmark): this is the part a change
-to the Python moves, measurable on any machine. Compare two trees on the same machine, interleaved.
+and does nothing, the streams and the device's profile are stand-ins (a route that splits works too). Prints, in
+µs a call (the median over rounds of each round's mean), the time from the call to kkt_solve's launch, to the
+walk's launch (the last launch) and to the return. What it leaves out is what only the GPU's host has: the
+launches themselves (TileLang's TVM-FFI calls), CUDA's allocations (the buffers here are the CPU's: for large
+calls, whose buffers are too large to keep as scratch, far slower than CUDA's caching allocator), stream queries.
+On the H200 a call's latency is that host work up to the first launch, then the kernels and the sync (README,
+Benchmark): this is the part a change to the Python moves, measurable on any machine. Compare two trees on the
+same machine, interleaved.
 """
 
 import argparse
@@ -46,8 +47,7 @@ def stub_the_gpu(stamps):
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda tensor, stream: None
     torch.cuda.is_current_stream_capturing = lambda: False
-    if not hasattr(torch._C, "_cuda_getCurrentRawStream"):  # a CPU build of torch
-        torch._C._cuda_getCurrentRawStream = lambda index: 0
+    torch._C._cuda_getCurrentRawStream = lambda index: 0  # CPU tensors: no device index to query
     forward_kernels = dispatch._gpu_forward().forward_kernels
 
     def gpu_forward(*args, training=False, keep_states=False, scratch=False):  # dispatch._forward's GPU branch

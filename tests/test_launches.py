@@ -111,13 +111,14 @@ def launched(monkeypatch):
     backward.backward_plan.cache_clear()
 
 
-def packed_inputs(seqlens, Hqk, Hv, dtype, h0):
-    """Packed inputs [1, T, ...] on the CPU, as flash_qla.dispatch hands them over (values do not matter)."""
+def packed_inputs(seqlens, Hqk, Hv, dtype, h0, beta_dtype=None):
+    """Packed inputs [1, T, ...] on the CPU, as flash_qla.dispatch hands them over (values do not matter); β in q's
+    dtype unless given."""
     T, K = sum(seqlens), 128
     cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32)
     q, k = (torch.zeros(1, T, Hqk, K, dtype=dtype) for _ in range(2))
     v = torch.zeros(1, T, Hv, K, dtype=dtype)
-    g, beta = torch.zeros(1, T, Hv), torch.zeros(1, T, Hv, dtype=dtype)
+    g, beta = torch.zeros(1, T, Hv), torch.zeros(1, T, Hv, dtype=beta_dtype or dtype)
     state = torch.zeros(len(seqlens), Hv, K, K) if h0 else None
     return q, k, v, g, beta, K**-0.5, state, cu
 
@@ -130,6 +131,9 @@ class Route(NamedTuple):
     heads: tuple
     dtype: torch.dtype = torch.bfloat16
     h0: bool = False
+    beta_dtype: torch.dtype | None = (
+        None  # β's, when not q's (float32: kkt_solve reads it so, chunk_grads stores dβ so)
+    )
     options: dict = {}
     planner: dict = {}
     forward: set = frozenset()
@@ -149,7 +153,24 @@ ROUTES = {
         options=dict(output_final_state=True),
         forward={"kkt_solve", "fused_fwd_wide"},
     ),
+    "inference_opath_h0_beta_fp32": Route(
+        (2048,),
+        (16, 32),
+        h0=True,
+        beta_dtype=torch.float32,
+        options=dict(output_final_state=True),
+        forward={"kkt_solve", "fused_fwd_opath"},
+    ),
     "inference_split": Route((32768,), (2, 8), h0=True, options=dict(output_final_state=True), forward=FWD_SPLIT),
+    "low_level_output_h_split": Route(
+        (32768,),
+        (2, 8),
+        h0=True,
+        beta_dtype=torch.float32,
+        options=dict(output_h=True, output_final_state=True),
+        forward=FWD_SPLIT,
+        backward=FWD_SPLIT | {"fused_fwd", "fused_bwd_wide", "chunk_grads"},
+    ),
     "low_level_output_h_varlen": Route(
         (0, 1, 63, 64, 65, 130),
         (4, 8),
@@ -199,6 +220,14 @@ ROUTES = {
         forward=FWD_SPLIT,
         backward={"fused_bwd_wide", "compose_maps", "chunk_grads"},
     ),
+    "training_split_recompute": Route(  # the backward's recompute walks from the split forward's start states
+        (32768,),
+        (2, 8),
+        beta_dtype=torch.float32,
+        options=dict(training=True, keep_states=False),
+        forward=FWD_SPLIT,
+        backward={"fused_fwd_wide", "fused_bwd_wide", "compose_maps", "chunk_grads"},
+    ),
 }
 
 
@@ -209,13 +238,19 @@ def test_every_launch_matches_its_kernel(launched, monkeypatch, route):
     launched are the route's."""
     for name, decision in route.planner.items():
         monkeypatch.setattr(forward, name, lambda *args, decision=decision, **kwargs: decision)
-    q, k, v, g, beta, scale, h0, cu = packed_inputs(route.seqlens, *route.heads, route.dtype, route.h0)
+    q, k, v, g, beta, scale, h0, cu = packed_inputs(
+        route.seqlens, *route.heads, route.dtype, route.h0, route.beta_dtype
+    )
     options = dict(dict(output_final_state=False, output_h=False, auto_cp=True, training=False), **route.options)
     g_cum, A, o, h, final_state, checkpoints, maps, chunk_terms = forward.forward_kernels(
         q, k, v, g, beta, scale, h0, cu, options["output_final_state"], options["output_h"], route.seqlens,
         options["auto_cp"], options["training"], options.get("keep_states"), options.get("scratch", False),
     )  # fmt: skip
     assert o.shape == v.shape and set(launched) == route.forward, launched
+    N, Hv, K = len(route.seqlens), route.heads[1], 128
+    assert final_state.shape == (N, Hv, K, K) if options["output_final_state"] else final_state is None
+    chunks = sum(-(-n // SM90.chunk) for n in route.seqlens)
+    assert h.shape == (chunks, Hv, K, K) if options["output_h"] else h is None
     if route.backward is None:
         return
     del launched[:]

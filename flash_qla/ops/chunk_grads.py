@@ -49,7 +49,7 @@ end of A, q, k, V, dO and dU are zeroed once they arrive (staging.zero_rows_past
 with barriers of their own), so that an Inf or NaN there does not survive its zero factor.
 
 Inputs (packed varlen, T tokens in all;
-the token-major ones passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
+the token-major tensors, outputs too, passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
     q, k       [T, Hqk, K]   input dtype
     v, do      [T, Hv, V]    input dtype
     dv         [T, Hv, V]    input dtype (fused_bwd)

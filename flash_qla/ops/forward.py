@@ -355,7 +355,8 @@ def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
 # 1x2048 -0.9 to -11.2 % over the nine layouts (16/48 289.7 -> 257.2 µs, 16/64 334.0 -> 305.8, 16/16 157.4 ->
 # 146.2), 1024x8 -4.9 to -7.8 % (16/64, at the cap: 1196.8 -> 1111.8), 1x4096 -2.8 to -10.4 %, 1x8192 -8.0 to +0.7 %
 # (+0.6-0.7 % at 4/16 and 16/16), 2/8 4096x8 632.7 -> 586.0, 16/16 8192x4 1329.4 -> 1238.9; above it, 32/32 4096x8
-# (512 MiB) 2542.5 -> 2404.8 would gain too, for twice the memory.
+# (512 MiB) 2542.5 -> 2404.8 would gain too, for twice the memory. Read when a shape's plan is made (forward_plan):
+# changed at run time, it applies to shapes planned after forward_plan.cache_clear().
 KEEP_STATES_MAX_BYTES = 256 * 2**20
 
 

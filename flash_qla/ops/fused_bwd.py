@@ -17,7 +17,7 @@ are selected to 0 and those of P, A, q and k zeroed in their tiles (staging.zero
 not even an Inf or NaN there reaches this sequence (a product with a zero factor would not cancel it).
 
 Inputs (packed varlen, T tokens in all;
-the token-major ones passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
+the token-major tensors, outputs too, passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
     q, k     [T, Hqk, K]    input dtype; v-head h reads qk-head h // (Hv // Hqk)
     do       [T, Hv, V]     input dtype, gradient of o
     gamma    [Hv, slots, C] fp32, γ chunk-major (kkt_solve)

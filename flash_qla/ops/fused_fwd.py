@@ -21,7 +21,7 @@ Rounding: V − diag(e^γ) K S and v_new are rounded to the input dtype once eac
 tensor-core operands (the usual form rounds u, w and v_new).
 
 Inputs (packed varlen, T tokens in all; `cu_seqlens` [N+1] int32;
-the token-major ones passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
+the token-major tensors, outputs too, passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
     q, k     [T, Hqk, K]   input dtype; v-head h reads qk-head h // (Hv // Hqk)
     v        [T, Hv, V]    input dtype
     gamma    [Hv, slots, C] fp32, chunk-local cumsum of g, chunk-major (kkt_solve; a TMA box

@@ -18,7 +18,7 @@ to rounding (2/8 8x4096: 1.5e-5 relative; both 3.4e-3 from the fp32 reference) a
 state is bitwise equal.
 
 Inputs (packed varlen, T tokens in all;
-the token-major ones passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
+the token-major tensors, outputs too, passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
     q, k        [T, Hqk, K]  input dtype; v-head h reads qk-head h // (Hv // Hqk)
     v           [T, Hv, V]   input dtype
     gates       [Hv, slots, 2, C] fp32, e^γ and e^{γ_L − γ} (kkt_solve)

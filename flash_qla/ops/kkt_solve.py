@@ -19,7 +19,7 @@ that walk less than it saves here: an inference forward at 64 columns runs this 
 P (FORM_P off: no q, no Q Kᵀ, no P), 2/8 8x4096 forward 157.6 -> 150.3 µs (v37).
 
 Inputs (packed varlen, T tokens in all;
-the token-major ones passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
+the token-major tensors, outputs too, passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
     q, k    [T, Hqk, K]  input dtype; v-head h reads qk-head h // (Hv // Hqk)
     g       [T, Hv]      fp32 (the launcher converts)
     beta    [T, Hv]      the input dtype or fp32 (`beta_dtype`; read as fp32: no cast launch

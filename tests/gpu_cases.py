@@ -155,11 +155,16 @@ def strided(x, layout):
     """x's values in another memory layout, as callers hand tensors over. "fused": a slice along the last dim of a
     wider tensor (q, k, v, g and β cut from one projection's output: the heads' rows not adjacent). "batch_stride":
     a batch of one whose batch dim has a stride no contiguous tensor has ([T, 1, ...] transposed), which the
-    kernels, taking [1, T, ...] as it comes, never read."""
+    kernels, taking [1, T, ...] as it comes, never read. "offset": contiguous, 8 bytes into a longer buffer, so not
+    at the 16-byte aligned address the kernels' copies need (flash_qla.ops.forward.ALIGNMENT)."""
     if layout == "fused":  # the rest of the row NaN: read by mistake, it shows
         wide = torch.full((*x.shape[:-1], x.shape[-1] + 8), float("nan"), dtype=x.dtype, device=x.device)
         wide[..., 3 : 3 + x.shape[-1]] = x
         return wide[..., 3 : 3 + x.shape[-1]]
+    if layout == "offset":
+        skip = 8 // x.element_size()
+        flat = torch.full((skip + x.numel(),), float("nan"), dtype=x.dtype, device=x.device)
+        return flat[skip:].view(x.shape).copy_(x)
     assert x.shape[0] == 1
     return x[0].unsqueeze(1).contiguous().transpose(0, 1)
 

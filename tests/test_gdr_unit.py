@@ -646,13 +646,15 @@ def test_unsupported_head_dim_raises():
         ("fused", Case("fused_dense_B2", (), dense=(2, 300), heads=(2, 8), h0=True)),
         ("fused", Case("fused_varlen", (0, 1, 63, 65, 700), heads=(4, 8))),
         ("batch_stride", Case("batch_stride_varlen", (100, 2000), heads=(16, 32), h0=True)),
+        ("offset", Case("offset_varlen", (300, 77), heads=(4, 8), h0=True)),
     ],
-    ids=["fused_dense_B2", "fused_varlen", "batch_stride_varlen"],
+    ids=["fused_dense_B2", "fused_varlen", "batch_stride_varlen", "offset_varlen"],
 )
 def test_strided_inputs_give_the_contiguous_results(layout, case, training, poisoned):
     """Inputs that are views of other memory give bitwise the results of the same values contiguous: o, the final
-    state and, training, every gradient. The host makes the views contiguous where the kernels need it (the
-    batch_stride layout passes as it comes: torch counts it contiguous, its size-1 dim's stride unread)."""
+    state and, training, every gradient. The host makes the views contiguous and 16-byte aligned where the kernels
+    need it (the batch_stride layout passes as it comes: torch counts it contiguous, its size-1 dim's stride
+    unread; the offset layout is contiguous but 8 bytes off, which a kernel's copies would fault on)."""
     x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
     do = torch.randn_like(x["v"])
 
@@ -666,7 +668,7 @@ def test_strided_inputs_give_the_contiguous_results(layout, case, training, pois
 
     contiguous = run(x)
     views = {name: strided(t, layout) for name, t in x.items()}
-    assert all(v.is_contiguous() == (layout == "batch_stride") for v in views.values())
+    assert all(v.is_contiguous() == (layout != "fused") for v in views.values())
     got = run(views)
     assert len(got) == (7 if training else 2)
     for name, want, value in zip(("o", "final_state", *(f"d{name}" for name in x)), contiguous, got):

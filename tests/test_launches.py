@@ -3,7 +3,8 @@
 The orchestration (flash_qla.ops.forward, backward, context_parallel) runs on CPU tensors along each route the
 planner takes, with each kernel's executable swapped for a stand-in that checks the arguments as TileLang's
 launcher does on the GPU: their number, each tensor's dims, dtype and contiguity, the static extents, and that
-the symbolic ones (tokens, slots, sequences) agree between arguments. The kernels are traced, not compiled: their
+the symbolic ones (tokens, slots, sequences) agree between arguments; and, which TileLang does not check (a kernel
+faults on it), that each tensor's data starts at a 16-byte aligned address. The kernels are traced, not compiled: their
 signatures are their TIR functions' parameters. Streams are stand-ins too; nothing is computed. On the GPU a
 mismatch raises at the launch; here it fails in CI.
 """
@@ -51,6 +52,8 @@ class Launch:
             assert arg.dim() == len(shape), f"{where}: shape {tuple(arg.shape)} for {shape}"
             assert arg.dtype == getattr(torch, str(buffer.dtype)), f"{where}: {arg.dtype} for {buffer.dtype}"
             assert arg.is_contiguous(), f"{where}: strides {arg.stride()}"
+            past = arg.data_ptr() % forward.ALIGNMENT
+            assert past == 0, f"{where}: data {past} bytes past an aligned address"
             for extent, size in zip(shape, arg.shape):
                 if isinstance(extent, tirx.Var):
                     assert sizes.setdefault(extent, size) == size, (
@@ -294,7 +297,7 @@ def gpu_route(launched, monkeypatch):
     return launched
 
 
-@pytest.mark.parametrize("B,layout", [(2, None), (2, "fused"), (1, "batch_stride")])
+@pytest.mark.parametrize("B,layout", [(2, None), (2, "fused"), (1, "batch_stride"), (2, "offset")])
 def test_training_through_the_public_api(gpu_route, B, layout):
     """chunk_gated_delta_rule over a dense batch (of two: one reshape packs each input), with a learnable initial
     state in the V-first layout and the final state in the loss, its inputs contiguous or views of other memory

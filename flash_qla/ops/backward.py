@@ -84,7 +84,7 @@ from flash_qla.ops.forward import (
     checkpoint_pieces_expected,
     choose_block_v,
     chunk_step_time,
-    contiguous_in,
+    kernel_input,
     splits_backward,
     walk_gate,
     walk_kernel,
@@ -311,9 +311,9 @@ def _backward_kernels(
     profile, slots = plan.profile, plan.slots
     C = profile.chunk
     beta_dtype, g_dtype = beta.dtype, torch.float32 if g_cum is None else g_cum.dtype
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    do, A = (x.to(q.dtype).contiguous() for x in (do, A))
-    cu_seqlens = cu_seqlens.contiguous()
+    q, k, v = kernel_input(q), kernel_input(k), kernel_input(v)
+    do, A = kernel_input(do, q.dtype), kernel_input(A, q.dtype)
+    cu_seqlens = kernel_input(cu_seqlens)
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
     chunks = chunk_table(cu_seqlens, C, slots)
     placeholder = buffers.placeholder(q.device, Hv, K, V)
@@ -329,8 +329,8 @@ def _backward_kernels(
         gates = buffers.new((Hv, slots, 2, C), f32, q)
         P = buffers.new((1, T, Hv, C), q.dtype, q)
         log_norms = buffers.new((Hv, slots), f32, q)  # formed where the walk splits (its plan's kkt)
-        g_cum = g_cum.to(f32).contiguous()
-        beta_in = contiguous_in(beta, dbeta_dtype) if plan.split else g_cum  # read for the bounds only
+        g_cum = kernel_input(g_cum, f32)
+        beta_in = kernel_input(beta, dbeta_dtype) if plan.split else g_cum  # read for the bounds only
         # backward mode: g_cum is read as g (no cumsum), and A is neither formed nor written
         plan.kkt(q, k, g_cum, beta_in, chunks, g_cum, gamma, gates, A, P, log_norms, slots)
 
@@ -362,13 +362,13 @@ def _backward_kernels(
             # STATES_ONLY never touches o: v, of o's shape and dtype, stands in (no [T, Hv, V] buffer)
             plan.recompute(
                 q, k, v, walk_gate(plan.BV_h, gamma, gates), A, P, walks, firsts, unbounded,
-                placeholder if h0 is None else h0.contiguous(), v, ht, h, scale,
+                placeholder if h0 is None else kernel_input(h0), v, ht, h, scale,
             )  # fmt: skip
 
     # 3. state gradients, backward in time, over the sequences or over pieces of them
     dh = buffers.new((slots, Hv, K, V), q.dtype, q)
     dv = buffers.new_like(v)
-    dht = dht.to(f32).contiguous() if has_dht else None
+    dht = kernel_input(dht, f32) if has_dht else None
     if plan.split:
         if plan.map_walk is not None:  # the forward did not split: its MAPS walk forms the maps
             if log_norms is None:  # nor hand bounds over (a training forward, its planner patched): all walked

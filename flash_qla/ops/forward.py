@@ -336,9 +336,19 @@ def walk_gate(BV: int, gamma: torch.Tensor, gates: torch.Tensor) -> torch.Tensor
     return gates if BV in WIDE_BLOCK_V else gamma
 
 
-def contiguous_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as a contiguous tensor of dtype (a same-dtype .to() costs ~1 µs of host time: skipped)."""
-    return x.contiguous() if x.dtype == dtype else x.to(dtype).contiguous()
+# The kernels copy their inputs 16 bytes at a time (cp.async, TMA), from 16-byte aligned addresses only. PyTorch's
+# allocations are aligned so; a contiguous view of other memory need not be (one cut from a flat buffer at an odd
+# element, one from DLPack), and a kernel reading it would fault (a sticky CUDA error).
+ALIGNMENT = 16
+
+
+def kernel_input(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x as a kernel reads it: contiguous, of dtype (x's own when None; a same-dtype .to() costs ~1 µs of host
+    time: skipped) and starting at an ALIGNMENT-byte address; a copy where x is not so."""
+    if dtype is not None and x.dtype != dtype:
+        x = x.to(dtype)
+    x = x.contiguous()
+    return x if x.data_ptr() % ALIGNMENT == 0 else x.clone()
 
 
 def beta_kernel_dtype(beta: torch.Tensor, q: torch.Tensor) -> torch.dtype:
@@ -459,10 +469,10 @@ def _forward_kernels(
     N = len(seqlens)
     f32 = torch.float32
     # kkt_solve's inputs first: what only the walk reads is prepared while kkt_solve runs
-    q, k = q.contiguous(), k.contiguous()
-    g = contiguous_in(g, f32)
-    beta = contiguous_in(beta, beta_dtype)
-    cu_seqlens = cu_seqlens.contiguous()
+    q, k = kernel_input(q), kernel_input(k)
+    g = kernel_input(g, f32)
+    beta = kernel_input(beta, beta_dtype)
+    cu_seqlens = kernel_input(cu_seqlens)
     chunks = chunk_table(cu_seqlens, C, slots)
     # scratch: read by this call's walk alone
     outs = buffers.scratch(plan.specs, q) if scratch else [buffers.new(*spec, q) for spec in plan.specs]
@@ -473,7 +483,7 @@ def _forward_kernels(
     else:
         g_cum, gamma, gates, A, P, log_norms = outs
         plan.kkt(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, log_norms, slots)
-    v = v.contiguous()
+    v = kernel_input(v)
     chunk_offsets = chunk_offsets_of(cu_seqlens, C)
 
     h = None  # output_h's fp32 states, or the kept ones in the input dtype, indexed by chunk slot
@@ -482,7 +492,7 @@ def _forward_kernels(
     elif keep_states:
         h = buffers.new((slots, Hv, K, V), q.dtype, q)
     if h0 is not None:
-        h0 = h0.contiguous()
+        h0 = kernel_input(h0)
     checkpoints = None
     if plan.keeps_checkpoints:
         checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), f32, q)

@@ -9,7 +9,7 @@ from gpu_cases import CASES, OUTPUT_H_CASES, SPLIT_CASES
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
 from flash_qla.ops.backward import backward_kernel_builds, beside_widths, grads_parts
 from flash_qla.ops.chunks import (
-    checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces, first_pieces, sequence_pieces,
+    checkpoint_pieces, chunk_offsets_of, chunk_table, chunk_tables, count_pieces, first_pieces, sequence_pieces,
 )  # fmt: skip
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
@@ -392,6 +392,9 @@ def test_chunk_table_skips_empty_sequences(lengths):
     assert (got[len(expected):, 1] == 0).all()
     # the layers of a step share cu_seqlens: the table is built once
     assert chunk_table(cu, C, slots) is got
+    # and looked up with the offsets in one call on a forward's path
+    offsets, table = chunk_tables(cu, C, slots)
+    assert table is got and offsets is chunk_offsets_of(cu, C) and chunk_tables(cu, C, slots)[1] is got
 
 
 def test_chunk_offsets_recomputed_after_in_place_edit():

@@ -71,7 +71,7 @@ import torch
 from flash_qla.arch import ArchProfile, get_profile, multiprocessors
 from flash_qla.ops import buffers
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
-from flash_qla.ops.chunks import checkpoint_pieces, chunk_offsets_of, chunk_table, count_pieces
+from flash_qla.ops.chunks import checkpoint_pieces, chunk_tables, count_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.context_parallel import maps_of_pieces, split_backward_walk
 from flash_qla.ops.forward import (
@@ -314,8 +314,7 @@ def _backward_kernels(
     q, k, v = kernel_input(q), kernel_input(k), kernel_input(v)
     do, A = kernel_input(do, q.dtype), kernel_input(A, q.dtype)
     cu_seqlens = kernel_input(cu_seqlens)
-    chunk_offsets = chunk_offsets_of(cu_seqlens, C)
-    chunks = chunk_table(cu_seqlens, C, slots)
+    chunk_offsets, chunks = chunk_tables(cu_seqlens, C, slots)
     placeholder = buffers.placeholder(q.device, Hv, K, V)
     unbounded = buffers.no_bounds(q.device, Hv)  # the walks' log_norms where their flags say it is not read
     f32 = torch.float32

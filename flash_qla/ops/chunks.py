@@ -37,6 +37,13 @@ def chunk_table(cu_seqlens: torch.Tensor, chunk: int, slots: int) -> torch.Tenso
 
 
 @cache_last(device_result=True)
+def chunk_tables(cu_seqlens: torch.Tensor, chunk: int, slots: int) -> tuple:
+    """(chunk_offsets_of's, chunk_table's): what every forward and backward reads, in one lookup (each costs ~1 µs
+    of host time on a call's path)."""
+    return chunk_offsets_of(cu_seqlens, chunk), chunk_table(cu_seqlens, chunk, slots)
+
+
+@cache_last(device_result=True)
 def checkpoint_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int):
     """The pieces the backward's state recompute walks from a forward's checkpoints.
 

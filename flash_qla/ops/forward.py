@@ -24,7 +24,7 @@ import torch
 
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
-from flash_qla.ops.chunks import chunk_offsets_of, chunk_table, count_pieces
+from flash_qla.ops.chunks import chunk_tables, count_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.context_parallel import maps_of_pieces, split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
@@ -473,7 +473,7 @@ def _forward_kernels(
     g = kernel_input(g, f32)
     beta = kernel_input(beta, beta_dtype)
     cu_seqlens = kernel_input(cu_seqlens)
-    chunks = chunk_table(cu_seqlens, C, slots)
+    chunk_offsets, chunks = chunk_tables(cu_seqlens, C, slots)
     # scratch: read by this call's walk alone
     outs = buffers.scratch(plan.specs, q) if scratch else [buffers.new(*spec, q) for spec in plan.specs]
     if plan.opath:
@@ -484,7 +484,6 @@ def _forward_kernels(
         g_cum, gamma, gates, A, P, log_norms = outs
         plan.kkt(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, log_norms, slots)
     v = kernel_input(v)
-    chunk_offsets = chunk_offsets_of(cu_seqlens, C)
 
     h = None  # output_h's fp32 states, or the kept ones in the input dtype, indexed by chunk slot
     if output_h:

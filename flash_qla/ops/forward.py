@@ -336,9 +336,11 @@ def walk_gate(BV: int, gamma: torch.Tensor, gates: torch.Tensor) -> torch.Tensor
     return gates if BV in WIDE_BLOCK_V else gamma
 
 
-# The kernels copy their inputs 16 bytes at a time (cp.async, TMA), from 16-byte aligned addresses only. PyTorch's
-# allocations are aligned so; a contiguous view of other memory need not be (one cut from a flat buffer at an odd
-# element, one from DLPack), and a kernel reading it would fault (a sticky CUDA error).
+# kkt_solve copies q and k 16 bytes at a time (cp.async) and the walks read q, k, v, A, P and dO by TMA: both from
+# 16-byte aligned addresses only. PyTorch's allocations are aligned so; a contiguous view of other memory need not be
+# (one cut from a flat buffer at an odd element, one from DLPack), and a kernel copying from it would fault (a sticky
+# CUDA error). Every tensor input takes the one rule (kernel_input), g and β too, which kkt_solve reads by scalar
+# loads today (~0.1 µs of host time each).
 ALIGNMENT = 16
 
 

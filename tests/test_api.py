@@ -300,7 +300,7 @@ def test_release_scratch_empties_the_kept_buffers(monkeypatch):
 
 
 def test_compiled_callers_run_the_call_eagerly_without_recompiles():
-    """Under torch.compile each entry point is one graph break (torch.compiler.disable): outputs and
+    """Under torch.compile each entry point is one graph break (api.eager_only): outputs and
     gradients are the eager call's, bitwise, and new cu_seqlens values (same count of sequences) reuse
     the caller's compiled graphs. Traced, the host code took 28 compiled frames at the first pattern and 47
     after the fourth."""

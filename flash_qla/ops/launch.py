@@ -21,8 +21,10 @@ _NOTHING = contextlib.nullcontext()
 
 def on_device(device: torch.device):
     """A context that makes device current for the launches: torch.cuda.device(device), or nothing
-    to enter when it is current already (the usual case; ~1.5 µs of host time less)."""
-    return _NOTHING if device.index == torch.cuda.current_device() else torch.cuda.device(device)
+    to enter when it is current already (the usual case; ~1.5 µs of host time less). The current device is
+    read from torch._C: torch.cuda.current_device() adds three Python frames (its lazy-init check, needless
+    with a CUDA tensor in hand), ~0.3 µs on the CPU machine."""
+    return _NOTHING if device.index == torch._C._cuda_getDevice() else torch.cuda.device(device)
 
 
 def kernel_factory(build):

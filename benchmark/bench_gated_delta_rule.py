@@ -55,7 +55,7 @@ os.environ["FLA_CACHE_RESULTS"] = "0"  # FLA tunes in each run, not from an earl
 import torch  # noqa: E402
 
 import flash_qla  # noqa: E402
-from flash_qla.reference.inputs import make_inputs  # noqa: E402
+from flash_qla.reference.inputs import make_inputs, parse_seqs  # noqa: E402
 
 DEFAULT_HEADS = ["16/64", "8/32", "4/16", "2/8", "16/32", "16/48"]
 DEFAULT_SEQS = ["1x32768", "4096x8", "1x2048"]
@@ -72,14 +72,6 @@ MODES = {
     "train": "training step: forward + backward through autograd",
     "bwd": "backward alone from the saved low-level forward",
 }
-
-
-def parse_seqs(text):
-    """DESIGN.md §4 labels: '1x32768' -> one sequence of 32768; '4096x8' -> 8 of 4096; '28672+4096'."""
-    if "x" in text:
-        first, second = (int(x) for x in text.split("x"))
-        return [second] if first == 1 else [first] * second
-    return [int(x) for x in text.split("+")]
 
 
 def floor_ms(T, Hqk, Hv, K=128, V=128, C=64):

@@ -24,6 +24,7 @@ import flash_qla
 from flash_qla import api, dispatch
 from flash_qla.arch import SM90
 from flash_qla.ops import context_parallel, forward
+from flash_qla.reference.inputs import parse_seqs
 
 
 def stub_the_gpu(stamps):
@@ -80,20 +81,23 @@ def measure(call, stamps, calls, rounds):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", default="16/32", help="Hqk/Hv")
-    parser.add_argument("--seqs", default="1x2048", help="NxT: N sequences of T tokens, packed (1xT: one)")
+    parser.add_argument(
+        "--seqs", default="1x2048", help="DESIGN.md §4 label, packed: 1x2048 one sequence, 4096x8 eight of 4096, 28672+4096"
+    )
     parser.add_argument("--calls", type=int, default=3000, help="calls a round")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     Hqk, Hv = map(int, args.heads.split("/"))
-    N, T = map(int, args.seqs.split("x"))
+    seqlens = parse_seqs(args.seqs)
+    T = sum(seqlens)
     torch.set_num_threads(1)
     stamps = []
     stub_the_gpu(stamps)
     gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, N * T, Hqk, 128, generator=gen).bfloat16() for _ in range(2))
-    v = torch.randn(1, N * T, Hv, 128, generator=gen).bfloat16()
-    g, beta = -torch.rand(1, N * T, Hv, generator=gen), torch.rand(1, N * T, Hv, generator=gen).bfloat16()
-    cu = None if N == 1 else torch.arange(N + 1, dtype=torch.int32) * T
+    q, k = (torch.randn(1, T, Hqk, 128, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(1, T, Hv, 128, generator=gen).bfloat16()
+    g, beta = -torch.rand(1, T, Hv, generator=gen), torch.rand(1, T, Hv, generator=gen).bfloat16()
+    cu = None if len(seqlens) == 1 else torch.tensor([0, *seqlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     with torch.no_grad():
         first, last, whole = measure(
             lambda: flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu), stamps, args.calls, args.rounds

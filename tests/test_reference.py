@@ -13,6 +13,7 @@ from flash_qla.reference import (
     naive_recurrent_gated_delta_rule,
 )
 from flash_qla.reference.backward_stages import BETA_MIN, chunk_gated_delta_rule_bwd_stages, dbeta_by_quotient
+from flash_qla.reference.inputs import parse_seqs
 from helpers import CASES, Case, FP64_REL, chunk_bounds, cu_seqlens_of, randn_like, rel_err
 
 # make_inputs' k: unit rows in float32 rounded to bf16 (2^-9 relative an element): the norm moves by a few 1e-3
@@ -133,3 +134,12 @@ def test_make_inputs_look_like_a_model(strong_decay):
     assert ((x["beta"] > 0) & (x["beta"] < 1)).all()
     assert (x["g"] < 0).all()
     assert (x["g"].median() < -1) == strong_decay
+
+
+@pytest.mark.parametrize(
+    "label, seqlens",
+    [("1x2048", [2048]), ("4096x8", [4096] * 8), ("8192x4", [8192] * 4), ("28672+4096", [28672, 4096]), ("77", [77])],
+)
+def test_sequence_labels_read_as_design_md_writes_them(label, seqlens):
+    """DESIGN.md §4's labels (the benchmark's and the profiles' --seqs): length x count, one sequence for 1xT."""
+    assert parse_seqs(label) == seqlens

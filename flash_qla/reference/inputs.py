@@ -1,4 +1,4 @@
-"""Random inputs as a model produces them (DESIGN.md §4), for tests and benchmarks."""
+"""Random inputs as a model produces them, and DESIGN.md §4's sequence labels: for tests, benchmarks and profiles."""
 
 import math
 
@@ -41,3 +41,12 @@ def make_inputs(B, T, Hqk, Hv, K, V, dtype=torch.bfloat16, device="cpu", strong_
     }
     g_dtype = torch.promote_types(dtype, torch.float32)
     return {name: x.to(device=device, dtype=g_dtype if name == "g" else dtype) for name, x in inputs.items()}
+
+
+def parse_seqs(label: str) -> list:
+    """The sequence lengths of a DESIGN.md §4 label: '1x32768' one sequence of 32768 tokens, '4096x8' eight of
+    4096 (length x count), '28672+4096' one of each."""
+    if "x" in label:
+        first, second = (int(x) for x in label.split("x"))
+        return [second] if first == 1 else [first] * second
+    return [int(x) for x in label.split("+")]

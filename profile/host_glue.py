@@ -82,7 +82,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", default="16/32", help="Hqk/Hv")
     parser.add_argument(
-        "--seqs", default="1x2048", help="DESIGN.md §4 label, packed: 1x2048 one sequence, 4096x8 eight of 4096, 28672+4096"
+        "--seqs", default="1x2048", help="DESIGN.md §4 label, packed: 1x2048 one sequence, 4096x8 eight of 4096"
     )
     parser.add_argument("--calls", type=int, default=3000, help="calls a round")
     parser.add_argument("--rounds", type=int, default=9)

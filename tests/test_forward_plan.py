@@ -155,11 +155,16 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
         ((2048,), 8, False, False, (False, 16, False)),  # fused_fwd at 16 is the faster walk (44.9 against 53.2)
         ((32768,), 8, False, False, (True, None, False)),  # pieces
         ((28672, 4096), 48, False, False, (False, 64, True)),  # one wave at 64: 872.3 against 1319.8 at 128 (v53)
+        # one chunk a sequence: no chunk after it to hide P under (H100, session 73: 648.8 against 494.9 at 128)
+        ((8,) * 1024, 8, False, False, (False, 128, False)),
+        ((64,) * 512, 32, False, False, (False, 128, False)),  # 1341.5 against 1133.9
+        ((128,) * 256, 8, False, False, (False, 128, False)),  # two chunks: 237.1 against 212.0
+        ((512,) * 64, 32, False, False, (False, 64, True)),  # eight chunks: 619.7 against 670.0 at 128
     ],
     ids=[
         "2/8_8x4096", "training", "output_h", "16/32_8x4096", "4/16_8x4096", "16/48_2x2048", "16/32_8x4096_training",
         "16/32_1x2048", "16/32_1x4096", "16/32_1x2048_training", "16/32_1x2048_output_h", "2/8_1x2048", "split",
-        "16/48_28672+4096",
+        "16/48_28672+4096", "2/8_8x1024", "16/32_64x512", "2/8_128x256", "16/32_512x64",
     ],
 )
 def test_o_path_walk_only_for_o_alone_where_it_pays(seqlens, Hv, training, output_h, expected):

@@ -16,7 +16,8 @@ import flash_qla
 from flash_qla.reference.chunked import chunk_gated_delta_rule_fwd_ref
 from flash_qla.reference.inputs import make_inputs
 from gpu_cases import (
-    CASES, FWD_TOL, OUTPUT_H_CASES, SPLIT_CASES, Case, case_inputs, patch_planner, record_calls, rel_l2, strided,
+    CASES, FWD_TOL, OUTPUT_H_CASES, SPLIT_CASES, Case, case_inputs, patch_planner, record_calls, rel_l2, short_seqlens,
+    strided,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -181,6 +182,8 @@ def test_opath_forward_matches_reference(case, poisoned, monkeypatch):
 WIDE_WALK_CASES = [
     Case("wide128_h0", (2000, 2048), heads=(16, 48), h0=True),
     Case("wide128_fp16_edges_h0", (65, 100, 127), dtype=torch.float16, h0=True),
+    # every sequence one chunk, over many waves of blocks: no O path (o_path_pays, SHORT_CHUNKS)
+    Case("wide128_one_chunk_each_h0", short_seqlens(300, 2, longest=64), heads=(2, 8), h0=True),
 ]
 
 

@@ -4,9 +4,9 @@ Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk 
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
 for narrower ones. An inference forward (o alone) takes fused_fwd_opath at 64 columns instead
-wherever that pays (o_path_pays: at 64 columns, at 32 from ~19 sequence-heads, at 128 from ~119), which
-forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096 157.6 -> 150.3 µs on the H200,
-benchmark/NOTES.md v37; 16/32 1x32768 walked whole 896.7 -> 859.3, 8x4096 549.7 -> 537.4, v48). Long
+wherever that pays (o_path_pays: at 64 columns, at 32 from ~19 sequence-heads, at 128 from ~119; never over
+sequences of at most two chunks), which forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096 157.6 -> 150.3
+µs on the H200, benchmark/NOTES.md v37; 16/32 1x32768 walked whole 896.7 -> 859.3, 8x4096 549.7 -> 537.4, v48). Long
 sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel).
 What a call decides from its shapes and options alone (the route, the V-tile width, the kernels)
 is decided once per shapes and options (forward_plan): the layers of a model step repeat them. A
@@ -286,6 +286,10 @@ def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
     return slots // profile.checkpoint_chunks + 1 + n_seqs
 
 
+# sequences of at most this many chunks never take the O path (o_path_pays)
+SHORT_CHUNKS = 2
+
+
 def o_path_pays(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
     """Whether an inference forward (o alone) over sequences of these chunk counts runs faster as fused_fwd_opath at
     64 columns, with kkt_solve forming no P, than as the walk at BV columns after a kkt_solve forming P.
@@ -303,7 +307,18 @@ def o_path_pays(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
     4/16 8x1024 79.5 / 79.5, 16/32 8x1024 158.2 / 155.9, 2/8 64x512 161.3 / 163.4 (the model's one miss, 1.3 %).
     Unequal lengths (v53): 16/48 28672+4096, the walk at 64 columns / the O path 984.2 / 872.3, 4096+28672 1064.3 /
     942.5.
+
+    Never where no sequence has a third chunk (SHORT_CHUNKS): the two O warpgroups take alternate chunks and form
+    each one's P beside the chain, under the chains of the chunks after it; a block walking one or two chunks has
+    few or none to hide it under, and each of its blocks (twice the 128-column walk's) is mostly its fixed work,
+    which the chunk costs leave out. H100, inference forward, output_final_state, the model's O path / the walk at
+    128 columns, µs (benchmark/NOTES.md session 73): 2/8 1024 sequences of 8 tokens 648.8 / 494.9, 512 of 64
+    331.8 / 291.0, 256 of 128 237.1 / 212.0; 16/32 1024 of 8 2503.5 / 1919.5, 512 of 64 1341.5 / 1133.9, 256 of 128
+    940.5 / 833.5; at four chunks even (2/8 128 of 256 185.5 / 182.1, 16/32 716.9 / 714.7), at eight the O path
+    ahead (2/8 64 of 512 165.7 / 171.2, 16/32 619.7 / 670.0).
     """
+    if max(chunks, default=0) <= SHORT_CHUNKS:
+        return False
     walk = whole_walk_time(chunks, Hv, V, BV, profile, FORWARD_CHUNK_US)
     o_path = whole_walk_time(chunks, Hv, V, OPATH_BLOCK_V, profile, O_PATH_CHUNK_US)
     return o_path - KKT_P_CHUNK_US * sum(chunks) * Hv <= walk

@@ -23,7 +23,7 @@ import torch
 import flash_qla
 from flash_qla import api, dispatch
 from flash_qla.arch import SM90
-from flash_qla.ops import context_parallel, forward
+from flash_qla.ops import forward
 from flash_qla.reference.inputs import parse_seqs
 
 
@@ -37,15 +37,15 @@ def stub_the_gpu(stamps):
         def wait_stream(self, other):
             pass
 
-    for name in ("kkt_solve_kernel", "fused_fwd_opath_kernel", "fused_fwd_wide_kernel", "fused_fwd_kernel"):
+    for name in ("kkt_solve_kernel", "fused_fwd_opath_kernel", "fused_fwd_wide_kernel", "fused_fwd_kernel",
+                 "compose_maps_kernel"):  # fmt: skip
         setattr(forward, name, lambda *args, **kwargs: "kernel")  # its executable: `launch`
-    context_parallel.compose_maps_kernel = lambda *args, **kwargs: "kernel"
-    forward.executable = context_parallel.executable = lambda kernel: launch
+    forward.executable = lambda kernel: launch
     forward.get_profile = lambda device: SM90
     forward.on_device = lambda device: contextlib.nullcontext()
     forward.side_stream = lambda device: Stream()
     torch.cuda.current_stream = lambda device=None: Stream()
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.set_stream = lambda stream: None
     torch.Tensor.record_stream = lambda tensor, stream: None
     torch.cuda.is_current_stream_capturing = lambda: False
     torch._C._cuda_getCurrentRawStream = lambda index: 0  # CPU tensors: no device index to query

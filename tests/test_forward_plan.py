@@ -577,7 +577,7 @@ def test_forward_plan_decided_once_per_shapes_and_options(monkeypatch):
     built = []
     factory = _recording_factory(built)
     monkeypatch.setattr(forward, "get_profile", lambda device: SM90)
-    for name in ("kkt_solve", "fused_fwd_opath", "fused_fwd", "fused_fwd_wide"):
+    for name in ("kkt_solve", "fused_fwd_opath", "fused_fwd", "fused_fwd_wide", "compose_maps"):
         monkeypatch.setattr(forward, f"{name}_kernel", factory(name))
     monkeypatch.setattr(forward, "executable", lambda kernel: f"launch {kernel}")
 
@@ -595,8 +595,17 @@ def test_forward_plan_decided_once_per_shapes_and_options(monkeypatch):
     assert inference.slots == 8 * 4096 // 64 + 8 and len(inference.specs) == 4
     training = plan((4096,) * 8, 8, training=True)  # P kept for the backward
     assert built[2:] == ["kkt_solve", "fused_fwd_wide"] and len(training.specs) == 6 and not training.opath
-    pieces = plan((32768,), 8)  # split: the pieces' walks are looked up per call
-    assert pieces.split and pieces.walk is None and built[4:] == ["kkt_solve"]
+    # split: the walk over the pieces, the MAPS and offsets walks, each at 128 columns (16 pieces x 8 v-heads: one
+    # wave), compose_maps, and the pieces' buffers: D, b, starts and ends, one row per piece
+    pieces = plan((32768,), 8)
+    assert pieces.split and (pieces.BV, pieces.BV_maps) == (128, 128) and not pieces.opath
+    assert built[4:] == ["kkt_solve", "fused_fwd_wide", "fused_fwd_wide", "fused_fwd_wide", "compose_maps"]
+    assert (pieces.walk, pieces.map_walk, pieces.offsets) == ("launch fused_fwd_wide",) * 3
+    assert pieces.compose == "launch compose_maps" and len(pieces.specs) == 6
+    n = 1 + pieces.slots // SM90.checkpoint_chunks  # checkpoint_pieces' rows: a piece per sequence and per 32 slots
+    assert pieces.split_specs == (
+        ((n, 8, 128, 256), torch.bfloat16), *(((n, 8, 128, 128), torch.float32),) * 3
+    ) and inference.split_specs == ()
 
 
 def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
@@ -614,6 +623,7 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
     monkeypatch.setattr(backward, "chunk_grads_kernel", lambda *args: factory(f"chunk_grads {args[-2]} {args[-1]}")())
     monkeypatch.setattr(backward, "walk_kernel", lambda BV: factory(f"walk{BV}"))
     monkeypatch.setattr(backward, "backward_walk_kernel", lambda BV: factory(f"backward_walk{BV}"))
+    monkeypatch.setattr(backward, "compose_maps_kernel", factory("compose_maps"))
     monkeypatch.setattr(backward, "executable", lambda kernel: f"launch {kernel}")
     backward.backward_plan.cache_clear()
 
@@ -641,6 +651,7 @@ def test_backward_plan_decided_once_per_shapes_and_options(monkeypatch):
     del built[:]
     pieces = plan((32768,), 8, checkpoints=True, maps=True)  # a forward that split: its maps, no MAPS walk
     assert pieces.split and pieces.map_walk is None and pieces.ends_walk is not None
+    assert pieces.compose == "launch compose_maps" and "compose_maps" in built
     del built[:]
     own_maps = plan((32768,), 8, checkpoints=False)  # the backward's own split: its MAPS walk forms the maps
     assert own_maps.split and own_maps.map_walk is not None and own_maps.BV_maps in BLOCK_V_CHOICES

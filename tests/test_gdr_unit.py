@@ -243,29 +243,74 @@ def test_split_forward_matches_whole_walk(case, poisoned, monkeypatch):
         assert rel_l2(got, whole) <= 2 * FWD_TOL, (name, rel_l2(got, whole))
 
 
+@contextlib.contextmanager
+def late_map_walk():
+    """Within: a split walk's map walk starts ~10 ms (on the H200) after its fork, held back on its stream by a
+    device sleep (flash_qla.ops.context_parallel.fork swapped)."""
+    from flash_qla.ops import context_parallel
+
+    fork = context_parallel.fork
+
+    @contextlib.contextmanager
+    def late_fork(beside, main):
+        with fork(beside, main):
+            torch.cuda._sleep(20_000_000)
+            yield
+
+    context_parallel.fork = late_fork
+    try:
+        yield
+    finally:
+        context_parallel.fork = fork
+
+
 def test_split_forward_waits_for_its_map_walk(poisoned, monkeypatch):
     """A split forward walks the pieces' maps on a second stream, beside their offsets
     (flash_qla.ops.context_parallel.fork), and compose_maps waits for it: held back there by a
     device sleep, the map walk ends long after the offsets walk, and o and the final state are
     bitwise those of a call without the sleep (D is NaN until the map walk writes it)."""
-    from flash_qla.ops import context_parallel
-
     case = Case("split_join", (9000,), heads=(2, 8), gate="weak")  # no map negligible: every D read
     x, cu, _ = case_inputs(case, seed=zlib.crc32(case.id.encode()))
     patch_planner(monkeypatch, "splits_forward", lambda *args: True)
     want = flash_qla.chunk_gated_delta_rule_fwd(**x, cu_seqlens=cu, output_final_state=True)
-    fork = context_parallel.fork
-
-    @contextlib.contextmanager
-    def late_fork(beside, device):
-        with fork(beside, device):
-            torch.cuda._sleep(20_000_000)  # ~10 ms on the H200, on the map walk's stream
-            yield
-
-    monkeypatch.setattr(context_parallel, "fork", late_fork)
-    got = flash_qla.chunk_gated_delta_rule_fwd(**x, cu_seqlens=cu, output_final_state=True)
+    with late_map_walk():
+        got = flash_qla.chunk_gated_delta_rule_fwd(**x, cu_seqlens=cu, output_final_state=True)
     for name, a, b in zip(("o", "final_state"), (got[2], got[4]), (want[2], want[4])):
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+
+
+def test_split_inference_keeps_its_pieces_in_scratch(monkeypatch):
+    """A split inference call keeps the pieces' buffers (D, b, start and end states) in scratch with kkt_solve's
+    outputs (flash_qla.ops.buffers.scratch), the same ones for the next call, poisoned here. The first call's
+    map walk is held back on its stream by a device sleep, so that the second call's kkt_solve, queued right after,
+    would overwrite A and P under it but for the join: both calls give the low-level forward's o and final state
+    (the same route, its buffers its own) bitwise."""
+    from flash_qla.ops import buffers
+
+    case = Case("split_scratch", (9000,), heads=(2, 8), gate="weak")  # no map negligible: every D read
+    seed = zlib.crc32(case.id.encode())
+    inputs = [case_inputs(case, seed + i)[0] for i in range(2)]
+    cu = torch.tensor([0, 9000], dtype=torch.int32, device="cuda")
+    patch_planner(monkeypatch, "splits_forward", lambda *args: True)
+    want = [flash_qla.chunk_gated_delta_rule_fwd(**x, cu_seqlens=cu) for x in inputs]
+    monkeypatch.setattr(buffers, "_scratch", {})  # none kept by earlier tests
+
+    def kept():
+        return [t.data_ptr() for _, tensors in buffers._scratch.values() for t in tensors]
+
+    first = flash_qla.chunk_gated_delta_rule(**inputs[0], cu_seqlens=cu, output_final_state=True)
+    pointers = kept()
+    assert len(pointers) == 6 + 4, "kkt_solve's outputs with P, then D, b, starts and ends"
+    first = [t.clone() for t in first]
+    for _, tensors in buffers._scratch.values():
+        for t in tensors:
+            t.fill_(float("nan"))
+    with late_map_walk():
+        late = flash_qla.chunk_gated_delta_rule(**inputs[0], cu_seqlens=cu, output_final_state=True)
+    second = flash_qla.chunk_gated_delta_rule(**inputs[1], cu_seqlens=cu, output_final_state=True)
+    assert kept() == pointers
+    for got, (_, _, o, _, final_state) in zip((first, late, second), (want[0], want[0], want[1])):
+        assert torch.equal(got[0], o) and torch.equal(got[1], final_state)
 
 
 @pytest.mark.parametrize("BV", [32, 64], ids=["narrow", "wide"])  # fused_fwd / fused_bwd and their _wide twins

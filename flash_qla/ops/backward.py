@@ -73,7 +73,7 @@ from flash_qla.ops import buffers
 from flash_qla.ops.chunk_grads import chunk_grads_kernel
 from flash_qla.ops.chunks import checkpoint_pieces, chunk_tables, count_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
-from flash_qla.ops.context_parallel import maps_of_pieces, split_backward_walk
+from flash_qla.ops.context_parallel import maps_of_pieces, split_backward_walk, split_specs
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
     DTYPE_NAMES,
@@ -92,7 +92,7 @@ from flash_qla.ops.forward import (
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
-from flash_qla.ops.launch import executable, on_device, side_stream
+from flash_qla.ops.launch import executable, fork, on_device, side_stream
 
 
 def backward_walk_kernel(BV: int):
@@ -223,6 +223,7 @@ class BackwardPlan(NamedTuple):
     walk: Callable  # the backward walk: over whole sequences, or over the pieces from their end gradients
     BV: int  # its V-tile width
     ends_walk: Callable | None  # split: the walk from zero keeping the pieces' start gradients (ENDS_ONLY)
+    compose: Callable | None  # split: compose_maps over the pieces' end gradients (REVERSE)
     map_walk: Callable | None  # split without the forward's maps: the MAPS walk forming them
     BV_maps: int | None  # its V-tile width
     grads: Callable  # chunk_grads (dβ stored in the beta_dtype the plan was made for)
@@ -262,7 +263,7 @@ def backward_plan(
     walks, walk_chunks = N, chunks
     if has_checkpoints:
         walks, walk_chunks = checkpoint_pieces_expected(N, T, profile), profile.checkpoint_chunks
-    ends_walk = map_walk = BV_maps = BV_h = None
+    ends_walk = compose = map_walk = BV_maps = BV_h = None
     if split:  # the recompute runs beside the end walk and compose_maps, each width chosen alone
         if not kept_states:
             BV_h = choose_block_v(walks, Hv, V, profile, RECOMPUTE_CHUNK_US)
@@ -270,6 +271,7 @@ def backward_plan(
         BV = choose_block_v(pieces, Hv, V, profile)
         walk = backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, True, has_h0)
         ends_walk = executable(backward_walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, False, True, True))
+        compose = executable(compose_maps_kernel(Hv, K, V, profile, has_dht, True))
         if not has_maps:  # the forward did not split: its MAPS walk forms them
             BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_US)
             map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True, False, True)
@@ -289,8 +291,8 @@ def backward_plan(
     grads = executable(chunk_grads_kernel(Hqk, Hv, K, V, name, profile, beta_name, parts))
     blocks = min(sms, slots * Hqk * parts)  # persistent: one block an SM
     return BackwardPlan(
-        profile, slots, kkt, recompute, BV_h, split, executable(walk), BV, ends_walk, map_walk, BV_maps, grads, parts,
-        blocks,
+        profile, slots, kkt, recompute, BV_h, split, executable(walk), BV, ends_walk, compose, map_walk, BV_maps, grads,
+        parts, blocks,
     )  # fmt: skip
 
 
@@ -338,7 +340,6 @@ def _backward_kernels(
     # beside step 3 (the backward walk does not read the states): each runs in the SMs the other
     # leaves idle. Every tensor the second stream touches is allocated before it forks (or on it)
     # and referenced here until the join before step 4, so the allocator reuses none of it early
-    main = torch.cuda.current_stream(q.device)
     beside = None
     if states is not None:  # kept by the training forward (keep_states): nothing to recompute
         h = states
@@ -349,9 +350,8 @@ def _backward_kernels(
         else:
             walks, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, profile.checkpoint_chunks)
         ht = torch.empty(walks.numel() - 1, Hv, K, V, dtype=f32, device=q.device)
-        beside = side_stream(q.device)
-        beside.wait_stream(main)
-        with torch.cuda.stream(beside):
+        beside, main = side_stream(q.device), torch.cuda.current_stream(q.device)
+        with fork(beside, main):
             if checkpoints is None:
                 h0 = initial_state
             elif maps is not None:  # a forward that split: its pieces' start states, in the pieces' order
@@ -374,12 +374,12 @@ def _backward_kernels(
                 log_norms = torch.zeros(Hv, slots, device=q.device)
             D = maps_of_pieces(
                 plan.map_walk, walk_gate(plan.BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, scale,
-                log_norms, profile,
+                log_norms, profile, buffers.new(*split_specs(N, slots, Hv, K, V, profile)[0], q),
             )  # fmt: skip
         else:  # a training forward's
             D = maps[0]
         dh0 = split_backward_walk(
-            plan.walk, plan.ends_walk, D, walk_gate(plan.BV, gamma, gates), q, k, do, A, P, cu_seqlens,
+            plan.walk, plan.ends_walk, plan.compose, D, walk_gate(plan.BV, gamma, gates), q, k, do, A, P, cu_seqlens,
             slots, seqlens, scale, dht, dh, dv, has_h0, log_norms, profile,
         )  # fmt: skip
     else:

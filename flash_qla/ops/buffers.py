@@ -1,18 +1,24 @@
 """Output buffers of the kernels: one allocation point, so tests can poison every output.
 
 `new` allocates a buffer; `scratch` hands out buffers for intermediates that one call writes
-and reads and then drops (kkt_solve's outputs in an inference forward), the same ones again to
-the next call of the same shapes on the same device, stream and thread: the layers of a model step
-share their shapes, and allocations were a third of a small call's host time (benchmark/NOTES.md v25).
+and reads and then drops (kkt_solve's outputs in an inference forward, and a split walk's pieces'
+buffers), the same ones again to the next call of the same shapes on the same device, stream and
+thread: the layers of a model step share their shapes, and allocations were a third of a small
+call's host time (benchmark/NOTES.md v25).
 """
 
 import threading
 
 import torch
 
-# scratch keeps a call's buffers for the next call only when they take at most this many bytes
-# (16/32 at 2048 tokens: 9 MiB on the O path, 17 MiB with P): small calls are the ones whose host time shows
-SCRATCH_MAX_BYTES = 64 * 2**20
+# scratch keeps a call's buffers for the next call only when they take at most this many bytes: those of the calls
+# whose host time shows, 16/32 at 2048 tokens (9 MiB on the O path, 17 MiB with P) and the split calls over few
+# heads (2/8 at 32768 tokens: 68 MiB of kkt_solve's outputs and 34 MiB of the pieces' buffers, 4/16 at 8192: 34 and
+# 20; 16/32 at 8192: 68 and 40). An H100 ran their kernels in less time than its host took to launch them: kept
+# from 64 MiB to this, the call at 2/8 over 1 x 32768 tokens took 249 µs (median of six processes, 242-260) against
+# 296 (288-396), its kernels 207; 2/8 1 x 8192 172 (155-197) against 274 (219-319), kernels 95 (benchmark/NOTES.md,
+# session 74, with the split's plan and stream changes)
+SCRATCH_MAX_BYTES = 128 * 2**20
 
 
 def new(shape, dtype, like: torch.Tensor) -> torch.Tensor:

@@ -80,17 +80,24 @@ import torch
 
 from flash_qla.ops import buffers
 from flash_qla.ops.chunks import checkpoint_pieces, first_pieces, sequence_pieces
-from flash_qla.ops.compose_maps import compose_maps_kernel
-from flash_qla.ops.launch import executable
+from flash_qla.ops.launch import fork
 
 
-def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, beside=None):
-    """D [n, Hv, K, 2 K]: M − I of each of checkpoint_pieces' n pieces (the rows of the empty ones
-    past the last unused), as compose_maps reads it, from `maps` (the executable of the forward
-    walk's MAPS variant, taking maps_gate; it reads neither v nor h0: v, of o's shape and dtype,
-    and the placeholder stand in); log_norms: kkt_solve's (no D written where M is negligible; zeros: every chunk walked).
-    beside: a stream to walk on, forked here from the current one (which must wait for it before
-    anything reads D: split_walk's maps_beside); every tensor the walk reads outlives that wait (the
+def split_specs(n_seqs: int, slots: int, Hv: int, K: int, V: int, profile) -> tuple:
+    """((shape, dtype), ...) of a split walk's buffers over n_seqs sequences and `slots` chunk slots, one row per
+    piece of checkpoint_pieces (N + slots // checkpoint_chunks, the empty ones past the last included): D
+    (maps_of_pieces), then b, starts and ends (split_walk)."""
+    n = n_seqs + slots // profile.checkpoint_chunks
+    return ((n, Hv, K, 2 * K), torch.bfloat16), *(((n, Hv, K, V), torch.float32),) * 3
+
+
+def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, D, streams=None):
+    """Fills D [n, Hv, K, 2 K] (split_specs' first) with M − I of each of checkpoint_pieces' n pieces (the rows of
+    the empty ones past the last unused), as compose_maps reads it, and returns it: `maps` is the executable of
+    the forward walk's MAPS variant, taking maps_gate; it reads neither v nor h0: v, of o's shape and dtype, and
+    the placeholder stand in; log_norms: kkt_solve's (no D written where M is negligible; zeros: every chunk walked).
+    streams: (beside, main): walk on beside, forked from main, the current stream (launch.fork; main must wait
+    for beside before anything reads D: split_walk's join); every tensor the walk reads outlives that wait (the
     caller's, or cached) but the pieces' tables where they are not cached (a cu_seqlens made under
     inference_mode, a CUDA graph's capture: flash_qla.tensor_cache), which are marked used on beside."""
     Hv, V = v.shape[2:]
@@ -98,21 +105,12 @@ def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log
     assert K == V, "the transition M is walked as a state"
     bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
     placeholder = buffers.placeholder(v.device, Hv, K, V)
-    D = buffers.new((bounds.numel() - 1, Hv, K, 2 * K), torch.bfloat16, v)
-    with contextlib.nullcontext() if beside is None else fork(beside, v.device):
+    with contextlib.nullcontext() if streams is None else fork(*streams):
         maps(q, k, v, maps_gate, A, P, bounds, firsts, log_norms, placeholder, v, D, placeholder, scale)
-    if beside is not None:  # their blocks are not reused before the walk on beside is done
-        bounds.record_stream(beside)
-        firsts.record_stream(beside)
+    if streams is not None:  # their blocks are not reused before the walk on beside is done
+        bounds.record_stream(streams[0])
+        firsts.record_stream(streams[0])
     return D
-
-
-@contextlib.contextmanager
-def fork(beside, device):
-    """Launch on `beside` after the current stream's work so far (the caller joins it)."""
-    beside.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(beside):
-        yield
 
 
 def _pieces(cu_seqlens, slots, profile):
@@ -136,59 +134,55 @@ def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
 
 
 def split_walk(
-    walk, walk_gate, D, offsets, offsets_gate, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state, h,
-    log_norms, profile, maps_beside=None,
-):
-    """o, the final states and the pieces' start states of the sequences, walked in pieces.
+    walk, walk_gate, D, offsets, offsets_gate, compose, q, k, v, A, P, cu_seqlens, slots, seqlens, scale,
+    initial_state, h, log_norms, profile, b, starts, ends, streams=None,
+):  # fmt: skip
+    """o and the final states of the sequences, walked in pieces; fills the pieces' start states.
 
     walk / offsets: the TileLang executables of the forward walk (HAS_H0, storing h when h is
     given) and of the walk giving b (STATES_ONLY, from S = 0, no h), walk_gate / offsets_gate
     their gate inputs (flash_qla.ops.forward.walk_gate); D: the pieces' maps (maps_of_pieces,
-    at offsets' width); q, k [1, T, Hqk, K], v [1, T, Hv, V], A, P [1, T, Hv, C] as the forward walk
+    at offsets' width); compose: compose_maps' executable (HAS_S0 when initial_state is given);
+    q, k [1, T, Hqk, K], v [1, T, Hv, V], A, P [1, T, Hv, C] as the forward walk
     takes them; cu_seqlens [N + 1] and the lengths it holds (host ints); initial_state
     [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] or None (float32 for output_h, q's dtype with
-    keep_states: the walk's STORE_H / KEEP_H); log_norms: kkt_solve's;
-    maps_beside: the stream maps_of_pieces walked D on (its beside), which compose_maps waits for;
-    None when D was walked on the current stream.
+    keep_states: the walk's STORE_H / KEEP_H); log_norms: kkt_solve's; b, starts, ends: split_specs'
+    buffers (every piece's offset, start and end state; rows past the last non-empty piece not written);
+    streams: (beside, main) when maps_of_pieces walked D on beside (main, the current stream, then waits
+    for it before compose_maps); None when D was walked on the current stream.
 
-    Returns o [1, T, Hv, V], final_state [N, Hv, K, V] and starts [n, Hv, K, V]: every piece's start
-    state, in checkpoint_pieces' order (a training backward's recompute walks the same pieces from
-    them; the rows past the last non-empty piece are not written).
+    Returns o [1, T, Hv, V] and final_state [N, Hv, K, V]; starts holds every piece's start state, in
+    checkpoint_pieces' order (a training backward's recompute walks the same pieces from them).
     """
     Hv, V = v.shape[2:]
     K = q.shape[-1]
-    bounds, firsts, seq_pieces, n, _, last_rows = _pieces(cu_seqlens, slots, profile)
-    f32 = torch.float32
+    bounds, firsts, seq_pieces, _, _, last_rows = _pieces(cu_seqlens, slots, profile)
     placeholder = buffers.placeholder(v.device, Hv, K, V)
-    b = buffers.new((n, Hv, K, V), f32, v)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
     # placeholder stand in
     offsets(q, k, v, offsets_gate, A, P, bounds, firsts, log_norms, placeholder, v, b, placeholder, scale)
-    starts = buffers.new((n, Hv, K, V), f32, v)
-    if maps_beside is not None:
-        torch.cuda.current_stream(v.device).wait_stream(maps_beside)
-    compose = compose_maps_kernel(Hv, K, V, profile, initial_state is not None)
-    executable(compose)(
-        D, b, seq_pieces, bounds, firsts, log_norms, placeholder if initial_state is None else initial_state, starts
-    )
+    if streams is not None:
+        beside, main = streams
+        main.wait_stream(beside)
+    s0 = placeholder if initial_state is None else initial_state
+    compose(D, b, seq_pieces, bounds, firsts, log_norms, s0, starts)
 
     o = buffers.new_like(v)
-    ends = buffers.new((n, Hv, K, V), f32, v)
     walk(q, k, v, walk_gate, A, P, bounds, firsts, log_norms, starts, o, ends, placeholder if h is None else h, scale)
     # each sequence's last piece ends at its final state
-    final_state = _per_sequence(ends, last_rows, seq_pieces, seqlens, initial_state)
-    return o, final_state, starts
+    return o, _per_sequence(ends, last_rows, seq_pieces, seqlens, initial_state)
 
 
 def split_backward_walk(
-    walk, ends_walk, D, gate, q, k, do, A, P, cu_seqlens, slots, seqlens, scale, dht, dh, dv, store_dh0, log_norms,
-    profile,
+    walk, ends_walk, compose, D, gate, q, k, do, A, P, cu_seqlens, slots, seqlens, scale, dht, dh, dv, store_dh0,
+    log_norms, profile,
 ):
     """The backward walk of the sequences in pieces: fills dh and dv, returns dh0.
 
     walk / ends_walk: the TileLang executables of the backward walk from per-piece end gradients
     (HAS_DHT, STORE_DH0 = store_dh0) and of the one from zero keeping only the pieces' start
-    gradients (ENDS_ONLY), both taking `gate`; D: the pieces' maps (maps_of_pieces, or those of
+    gradients (ENDS_ONLY), both taking `gate`; compose: compose_maps' executable (REVERSE, HAS_S0 when dht is
+    given); D: the pieces' maps (maps_of_pieces, or those of
     a forward that split the same sequences); q, k, do, A, P as the walks take them;
     cu_seqlens [N + 1] and the lengths it holds (host ints); dht [N, Hv, K, V] float32 or None;
     dh [slots, Hv, K, V], dv [1, T, Hv, V]: the outputs; log_norms: kkt_solve's (zeros: every chunk walked). Returns dh0
@@ -203,8 +197,7 @@ def split_backward_walk(
     ends_walk(q, k, do, gate, A, P, bounds, firsts, log_norms, placeholder, dh, dv, offsets, scale)
     # every piece's end gradient; the rows of the empty pieces past the last are read, not used
     ends = buffers.new((n, Hv, K, V), f32, dv)
-    compose = compose_maps_kernel(Hv, K, V, profile, dht is not None, True)
-    executable(compose)(D, offsets, seq_pieces, bounds, firsts, log_norms, placeholder if dht is None else dht, ends)
+    compose(D, offsets, seq_pieces, bounds, firsts, log_norms, placeholder if dht is None else dht, ends)
     starts = buffers.new((n, Hv, K, V), f32, dv) if store_dh0 else placeholder
     walk(q, k, do, gate, A, P, bounds, firsts, log_norms, ends, dh, dv, starts, scale)
     if not store_dh0:

@@ -26,7 +26,7 @@ from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunks import chunk_tables, count_pieces
 from flash_qla.ops.compose_maps import compose_maps_kernel
-from flash_qla.ops.context_parallel import maps_of_pieces, split_walk
+from flash_qla.ops.context_parallel import maps_of_pieces, split_specs, split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.fused_fwd_opath import BV as OPATH_BLOCK_V
 from flash_qla.ops.fused_fwd_opath import fused_fwd_opath_kernel
@@ -424,10 +424,17 @@ class ForwardPlan(NamedTuple):
     opath: bool  # the walk is fused_fwd_opath, and kkt_solve forms no P
     specs: tuple  # ((shape, dtype), ...) of kkt_solve's outputs, in its argument order
     kkt: Callable  # kkt_solve's executable
-    walk: Callable | None  # the walk over whole sequences' executable; None when split
-    BV: int | None  # that walk's V-tile width
+    walk: Callable  # the walk's executable: over whole sequences, or over the pieces from their start states
+    BV: int  # its V-tile width
     keeps_checkpoints: bool  # a training forward that keeps state checkpoints (keeps_checkpoints)
     keep_states: bool  # a training forward that keeps every state (keeps_states)
+    # split (else None or ()): the pieces' MAPS and offsets walks, at their width, compose_maps (the executables),
+    # and the buffers of the split walk (flash_qla.ops.context_parallel.split_specs)
+    map_walk: Callable | None
+    offsets: Callable | None
+    BV_maps: int | None
+    compose: Callable | None
+    split_specs: tuple
 
 
 @functools.lru_cache(maxsize=256)
@@ -458,14 +465,28 @@ def forward_plan(
     # kept for a backward that recomputes the states, where they pay, and always when the walk split
     # (free then: the pieces' start states); none when every state is kept
     keeps = training and auto_cp and not split and not keep_states and keeps_checkpoints(seqlens, Hv, V, profile)
-    walk = None
+    store_h = output_h or keep_states
+    map_walk = offsets = BV_maps = compose = None
+    split_buffers = ()
     if opath:
         walk = fused_fwd_opath_kernel(Hqk, Hv, K, V, name, profile, has_h0)
     elif not split:
-        store_h = output_h or keep_states
         walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_h0, store_h, False, keeps, KEEP_H=keep_states)
-    walk = None if walk is None else executable(walk)
-    return ForwardPlan(profile, slots, split, opath, specs, executable(kkt), walk, BV, keeps, keep_states)
+    else:  # the pieces (flash_qla.ops.context_parallel), each walk's width for their count
+        pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
+        BV = choose_block_v(pieces, Hv, V, profile)
+        BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_US)
+        walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, True, store_h, KEEP_H=keep_states)
+        # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY)
+        kernel = walk_kernel(BV_maps)
+        map_walk = executable(kernel(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True, False, True))
+        offsets = executable(kernel(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True))
+        compose = executable(compose_maps_kernel(Hv, K, V, profile, has_h0))
+        split_buffers = split_specs(N, slots, Hv, K, V, profile)
+    return ForwardPlan(
+        profile, slots, split, opath, specs, executable(kkt), executable(walk), BV, keeps, keep_states, map_walk,
+        offsets, BV_maps, compose, split_buffers,
+    )  # fmt: skip
 
 
 def _forward_kernels(
@@ -491,14 +512,18 @@ def _forward_kernels(
     beta = kernel_input(beta, beta_dtype)
     cu_seqlens = kernel_input(cu_seqlens)
     chunk_offsets, chunks = chunk_tables(cu_seqlens, C, slots)
-    # scratch: read by this call's walk alone
-    outs = buffers.scratch(plan.specs, q) if scratch else [buffers.new(*spec, q) for spec in plan.specs]
+    # scratch: read by this call alone (kkt_solve's outputs and, split, the pieces' buffers)
+    n_kkt = len(plan.specs)
+    if scratch:
+        outs = buffers.scratch(plan.specs + plan.split_specs, q)
+    else:
+        outs = [buffers.new(*spec, q) for spec in plan.specs]
     if plan.opath:
-        g_cum, gamma, gates, A = outs
+        g_cum, gamma, gates, A = outs[:n_kkt]
         P = None
         plan.kkt(k, g, beta, chunks, g_cum, gamma, gates, A, slots)
     else:
-        g_cum, gamma, gates, A, P, log_norms = outs
+        g_cum, gamma, gates, A, P, log_norms = outs[:n_kkt]
         plan.kkt(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, log_norms, slots)
     v = kernel_input(v)
 
@@ -515,26 +540,19 @@ def _forward_kernels(
     maps = None
 
     if plan.split:  # pieces: the start states are the checkpoints
-        store_h = output_h or keep_states
-        dtype = DTYPE_NAMES[q.dtype]
-        pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
-        BV = choose_block_v(pieces, Hv, V, profile)
-        BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_US)
-        walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, dtype, profile, True, store_h, KEEP_H=keep_states)
-        # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY)
-        map_walk = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True, False, True)
-        offsets = walk_kernel(BV_maps)(Hqk, Hv, K, V, BV_maps, dtype, profile, False, False, True)
-        maps_gate = walk_gate(BV_maps, gamma, gates)
+        # (from scratch with kkt_solve's outputs, unless training: D and the start states go to the backward)
+        D, b, starts, ends = outs[n_kkt:] or [buffers.new(*spec, q) for spec in plan.split_specs]
         # the walks leave out the chunks of each piece whose part of M, b (and the backward's b') the
         # gates make negligible (log_norms); the map walk runs on a second stream, beside the offsets
         # walk: where the gates decay, each leaves most SMs idle behind the few pieces it walks in full
-        beside = side_stream(q.device)
-        D = maps_of_pieces(
-            executable(map_walk), maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, beside
-        )
-        o, final_state, starts = split_walk(
-            executable(walk), walk_gate(BV, gamma, gates), D, executable(offsets), maps_gate,
-            q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, log_norms, profile, beside,
+        streams = side_stream(q.device), torch.cuda.current_stream(q.device)
+        maps_gate = walk_gate(plan.BV_maps, gamma, gates)
+        maps_of_pieces(
+            plan.map_walk, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, D, streams
+        )  # fmt: skip
+        o, final_state = split_walk(
+            plan.walk, walk_gate(plan.BV, gamma, gates), D, plan.offsets, maps_gate, plan.compose,
+            q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, log_norms, profile, b, starts, ends, streams,
         )  # fmt: skip
         if training:  # the backward walk and state recompute split the same pieces (flash_qla.ops.backward)
             maps = D, log_norms

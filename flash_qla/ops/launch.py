@@ -67,6 +67,20 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[device]
 
 
+@contextlib.contextmanager
+def fork(beside: torch.cuda.Stream, main: torch.cuda.Stream):
+    """Launch on `beside` (side_stream) after the work queued on `main`, the current stream, so far; main is current
+    again after. The caller joins them (main.wait_stream(beside)) before anything on main reads what beside wrote.
+    main is the caller's, looked up once for the fork and the join (torch.cuda.stream(beside) would look the
+    current stream and device up again)."""
+    beside.wait_stream(main)
+    torch.cuda.set_stream(beside)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(main)
+
+
 @functools.lru_cache(maxsize=None)
 def executable(kernel):
     """The TVM-FFI callable of a compiled kernel: executable(kernel)(*args) == kernel(*args)."""

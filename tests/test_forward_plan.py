@@ -9,7 +9,8 @@ from gpu_cases import CASES, OUTPUT_H_CASES, SPLIT_CASES
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
 from flash_qla.ops.backward import backward_kernel_builds, beside_widths, grads_parts
 from flash_qla.ops.chunks import (
-    checkpoint_pieces, chunk_offsets_of, chunk_table, chunk_tables, count_pieces, first_pieces, sequence_pieces,
+    checkpoint_pieces, chunk_offsets_of, chunk_rows, chunk_table, chunk_tables, count_pieces, first_pieces,
+    sequence_groups, sequence_pieces,
 )  # fmt: skip
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
@@ -26,6 +27,7 @@ from flash_qla.ops.forward import (
     keeps_checkpoints,
     keeps_states,
     pieces_fit_the_grid,
+    sequences_per_block,
     splits_backward,
     splits_forward,
     walk_plan,
@@ -410,9 +412,80 @@ def test_chunk_offsets_recomputed_after_in_place_edit():
     assert chunk_offsets_of(cu, SM90.chunk).tolist() == [0, 1, 4]
 
 
-# the forward routes the GPU tests must run, per dtype and mode: a V-tile width, the O path, the split
+@pytest.mark.parametrize(
+    "lengths", [(8, 0, 64, 65, 128, 0), (200, 1), (0, 0, 5)], ids=lambda x: "-".join(map(str, x))
+)
+def test_chunk_rows_describe_every_chunk(lengths):
+    """chunk_rows: chunk_table's (first token, tokens), then each chunk's sequence and flags (1: the sequence's first
+    chunk, 2: its last), empty sequences skipped; zeros past the last chunk; built once per cu_seqlens."""
+    C = SM90.chunk
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    expected = []
+    for n, (start, length) in enumerate(zip(cu.tolist(), lengths)):
+        count = -(-length // C)
+        for c in range(count):
+            expected.append([start + c * C, min(C, length - c * C), n, (c == 0) + 2 * (c == count - 1)])
+    slots = sum(lengths) // C + len(lengths)
+    got = chunk_rows(cu, C, slots)
+    assert got.dtype == torch.int32 and got.shape == (slots, 4) and got.is_contiguous()
+    assert got[: len(expected)].tolist() == expected and (got[len(expected):] == 0).all()
+    assert chunk_rows(cu, C, slots) is got
+
+
+@pytest.mark.parametrize("n_seqs,per_block,expected", [(10, 4, [0, 4, 8, 10]), (8, 4, [0, 4, 8]), (3, 5, [0, 3])])
+def test_sequence_groups(n_seqs, per_block, expected):
+    like = torch.zeros(1)
+    got = sequence_groups(n_seqs, per_block, like)
+    assert got.dtype == torch.int32 and got.tolist() == expected
+    assert sequence_groups(n_seqs, per_block, like) is got  # kept per shape, device and stream
+
+
+@pytest.mark.parametrize(
+    "seqlens,Hv,per_block",
+    [
+        ((8,) * 1024, 8, 31),  # 8192 blocks of one sequence each: 31 a block leave two waves
+        ((64,) * 512, 32, 62),
+        ((128,) * 256, 8, 7),  # two chunks a sequence
+        ((1, 64, 65, 128, 0) * 40, 8, 6),  # 1600 blocks (empty sequences too)
+        ((8,) * 66, 8, 2),  # 528 blocks: four waves
+        ((8,) * 32, 8, 1),  # 256 blocks: two waves, nothing to pack
+        ((129,) * 1024, 8, 1),  # three chunks a sequence (the O path here)
+        ((8,) * 1023 + (200,), 8, 1),  # one sequence of four chunks
+    ],
+)
+def test_short_sequences_share_blocks(seqlens, Hv, per_block, monkeypatch):
+    """The inference forward's walk over many short sequences (at most SHORT_CHUNKS chunks) takes several a block
+    (sequences_per_block): as many as leave PACK_WAVES waves of blocks at 128 columns; the plan then builds the
+    PACKED walk. A training forward or one with output_h walks one sequence a block."""
+    from flash_qla.ops import forward
+
+    chunks = [-(-n // SM90.chunk) for n in seqlens]
+    split, BV, opath = walk_plan(seqlens, Hv, 128, SM90, True, False, False)
+    assert sequences_per_block(chunks, Hv, 128, BV, SM90) == (1 if split or opath else per_block)
+
+    def plan(training=False, output_h=False):
+        bf16 = torch.bfloat16
+        return forward.forward_plan(
+            torch.device("cuda", 0), sum(seqlens), seqlens, 2, Hv, 128, 128, bf16, bf16, False, output_h, True,
+            training, False,
+        )  # fmt: skip
+
+    built = []
+    monkeypatch.setattr(forward, "get_profile", lambda device: SM90)
+    monkeypatch.setattr(forward, "executable", lambda kernel: kernel)
+    for name in ("kkt_solve", "fused_fwd", "fused_fwd_opath"):
+        monkeypatch.setattr(forward, f"{name}_kernel", lambda *args, **kwargs: None)
+    monkeypatch.setattr(forward, "fused_fwd_wide_kernel", lambda *args, **kwargs: built.append(kwargs.get("PACKED")))
+    forward.forward_plan.cache_clear()
+    assert plan().per_block == per_block and plan(training=True).per_block == plan(output_h=True).per_block == 1
+    assert (True in built) == (per_block > 1)
+    forward.forward_plan.cache_clear()
+
+
+# the forward routes the GPU tests must run, per dtype and mode: a V-tile width, the O path, the split, the walk
+# taking several sequences a block
 WALKS_COVERED = {
-    (torch.bfloat16, "inference"): {"split", "opath", 16},
+    (torch.bfloat16, "inference"): {"split", "opath", 16, "packed"},
     (torch.bfloat16, "output_h"): {"split", 16, 32, 64, 128},
     (torch.bfloat16, "training"): {"split", 16, 32, 64, 128},
     (torch.float16, "inference"): {"opath", 16},
@@ -438,6 +511,8 @@ def test_gpu_cases_reach_every_forward_walk(dtype, mode):
         seqlens = (case.dense[1],) * case.dense[0] if case.dense else case.seqlens
         split, BV, opath = walk_plan(seqlens, case.heads[1], 128, SM90, auto_cp, mode == "training", mode == "output_h")
         reached.add("split" if split else "opath" if opath else BV)
+        if mode == "inference" and not (split or opath):
+            reached.add("packed" if sequences_per_block([-(-n // 64) for n in seqlens], case.heads[1], 128, BV, SM90) > 1 else BV)
     assert WALKS_COVERED[dtype, mode] <= reached, reached
 
 
@@ -703,8 +778,9 @@ def test_precompile_lists_every_forward_kernel():
     }
     # kkt_solve for β in q's dtype and in fp32, with P and without it (the O-path walk's, with and
     # without h0); every V-tile width the launcher can choose, with and without h0 / h, and the two
-    # walks of a split walk's maps (M and b); the composition of the maps with and without an initial state
-    assert len(builds) == 2 * 2 + 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2) + 2
+    # walks of a split walk's maps (M and b); the composition of the maps with and without an initial state; the
+    # walk taking several short sequences a block, at 128 columns, with and without h0
+    assert len(builds) == 2 * 2 + 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2) + 2 + 2
     assert len(set(builds)) == len(builds)
 
 

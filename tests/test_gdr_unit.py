@@ -76,6 +76,7 @@ ISOLATION_CASES = [  # (walk, heads, sequence lengths, training)
     ("wide64", (4, 8), (1000,) * 8, True),
     ("wide128", (4, 16), (1000,) * 8, True),
     ("opath", (2, 4), (1000,) * 8, False),
+    ("wide128", (2, 8), (40,) * 400, False),  # 400 one-chunk sequences: 12 a block of the walk (PACKED)
     ("split", (2, 4), (30000, 100), False),
     ("split", (2, 4), (30000, 100), True),
 ]
@@ -194,6 +195,29 @@ def test_wide_walk_forward_matches_reference(case, poisoned, monkeypatch):
     walks = record_calls(monkeypatch, forward_module, "fused_fwd_wide_kernel")
     forward_matches_reference(case)
     assert [args[4] for args in walks] == [128], "the forward did not walk at 128 columns"
+
+
+# many short sequences (at most two chunks each): the walk takes several a block (fused_fwd_wide's PACKED), its blocks'
+# first and last sequences ending mid-chunk, empty ones among them
+PACKED_CASES = [
+    Case("packed_edges_h0", (1, 64, 65, 128, 0, 63) * 60, heads=(2, 8), h0=True),
+    Case("packed_short", short_seqlens(700, 3, longest=128), heads=(4, 16)),
+    Case("packed_fp16_h0", short_seqlens(400, 4, longest=100), heads=(2, 8), dtype=torch.float16, h0=True),
+]
+
+
+@pytest.mark.parametrize("case", PACKED_CASES, ids=[c.id for c in PACKED_CASES])
+def test_packed_forward_matches_reference(case, poisoned, monkeypatch):
+    """The inference forward over many short sequences, several a block of the walk (sequences_per_block), against
+    the reference: each sequence's state starts at its own initial state, and its o and final state are its own."""
+    from flash_qla.ops import forward as forward_module
+
+    walks = record_calls(monkeypatch, forward_module, "fused_fwd_wide_kernel")
+    per_block, planned = [], forward_module.sequences_per_block
+    monkeypatch.setattr(forward_module, "sequences_per_block", lambda *args: per_block.append(planned(*args)) or per_block[-1])
+    forward_module.forward_plan.cache_clear()
+    forward_matches_reference(case)
+    assert [args[4] for args in walks] == [128] and per_block[0] > 1, ("not packed at 128 columns", per_block)
 
 
 @pytest.mark.parametrize("case", OUTPUT_H_CASES, ids=[c.id for c in OUTPUT_H_CASES])

@@ -67,6 +67,8 @@ KERNELS = [
     ("fused_fwd_wide_keep_h", fused_fwd_wide_kernel, (16, 32, 128, 128, 128, "bfloat16", SM90, True, True, False, False, False, True), ("wgmma_rs", "tma_load")),
     # a split walk's pieces: M from I with V = 0 (MAPS), b from 0; no o, no h
     ("fused_fwd_maps", fused_fwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, False, True, False, True), ("wgmma", "tma_load")),
+    # several short sequences a block (the inference forward over many of them): each chunk's row through the ring
+    ("fused_fwd_wide_packed_h0", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, True, *(False,) * 5, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_maps", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True, False, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_offsets", fused_fwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, False, True), ("wgmma", "tma_load")),
     ("fused_fwd_wide_offsets", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True), ("wgmma_rs", "tma_load")),
@@ -107,6 +109,7 @@ NO_LOCAL_MEMORY = (
     "fused_bwd_wide_dht_dh0", "chunk_grads", "chunk_grads_parts", "fused_fwd_keep_h", "fused_fwd_wide_keep_h", "kkt_solve_without_p",
     "fused_fwd_opath", "fused_fwd_maps", "fused_fwd_wide_maps", "fused_fwd_offsets", "fused_fwd_wide_offsets",
     "fused_bwd_ends_only", "fused_bwd_wide_ends_only", "compose_maps", "compose_maps_reverse_dht",
+    "fused_fwd_wide_packed_h0",
 )  # fmt: skip
 
 

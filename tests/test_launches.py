@@ -165,6 +165,11 @@ ROUTES = {
         forward={"kkt_solve", "fused_fwd_opath"},
     ),
     "inference_split": Route((32768,), (2, 8), h0=True, options=dict(output_final_state=True), forward=FWD_SPLIT),
+    # several short sequences a block (PACKED), empty ones among them
+    "inference_packed_h0": Route(
+        (1, 64, 65, 128, 0) * 40, (2, 8), h0=True, options=dict(scratch=True, output_final_state=True),
+        forward={"kkt_solve", "fused_fwd_wide"},
+    ),
     "low_level_output_h_split": Route(
         (32768,),
         (2, 8),

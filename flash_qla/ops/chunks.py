@@ -7,9 +7,11 @@ All layers of a model step usually share one cu_seqlens tensor: both tables are 
 once per tensor (flash_qla.tensor_cache).
 """
 
+import functools
+
 import torch
 
-from flash_qla.tensor_cache import cache_last
+from flash_qla.tensor_cache import cache_last, stream_key
 
 
 @cache_last(device_result=True)
@@ -34,6 +36,24 @@ def chunk_table(cu_seqlens: torch.Tensor, chunk: int, slots: int) -> torch.Tenso
     start = cu_seqlens[seq] + (slot - offsets[seq]) * chunk
     tokens = (cu_seqlens[seq + 1] - start).clamp_(0, chunk)
     return torch.stack((start, tokens), dim=1).to(torch.int32)
+
+
+# the fields of a chunk_rows row: 16 bytes, one TMA box
+ROW_FIELDS = 4
+
+
+@cache_last(device_result=True)
+def chunk_rows(cu_seqlens: torch.Tensor, chunk: int, slots: int) -> torch.Tensor:
+    """[slots, ROW_FIELDS] int32: (first token, tokens, sequence, flags) of every global chunk, flags 1 where it is its
+    sequence's first chunk, 2 where its last (3: both); zeros for slots past the last. What the packed walk
+    (flash_qla.ops.fused_fwd_wide, PACKED) reads of each chunk it walks, one row through its ring."""
+    offsets = chunk_offsets_of(cu_seqlens, chunk)
+    slot = torch.arange(slots, dtype=torch.int32, device=cu_seqlens.device)
+    seq = torch.searchsorted(offsets, slot, right=True, out_int32=True).sub_(1).clamp_(0, offsets.numel() - 2).long()
+    inside = slot < offsets[-1]
+    flags = (slot == offsets[seq]).int() + 2 * (slot + 1 == offsets[seq + 1]).int()
+    rows = torch.stack((*chunk_table(cu_seqlens, chunk, slots).unbind(1), seq.int(), flags), dim=1)
+    return torch.where(inside.view(-1, 1), rows, 0).to(torch.int32).contiguous()
 
 
 @cache_last(device_result=True)
@@ -103,3 +123,22 @@ def count_pieces(seqlens, chunk: int, every: int) -> int:
             pieces += 1 + (first + chunks - 1) // every - first // every
         first += chunks
     return pieces
+
+
+def sequence_groups(n_seqs: int, per_block: int, like: torch.Tensor) -> torch.Tensor:
+    """[ceil(n_seqs / per_block) + 1] int32 on like's device: 0, per_block, 2 per_block, ..., n_seqs, the first sequence
+    of each block of a walk that takes per_block sequences a block (the last block the rest). Built once per shape,
+    device and stream (a key only: made on the stream that reads it, as tensor_cache's), afresh while a CUDA graph
+    is being captured."""
+    stream = stream_key(like)
+    if stream is None:
+        return _sequence_groups.__wrapped__(n_seqs, per_block, like.device, 0)
+    return _sequence_groups(n_seqs, per_block, like.device, stream)
+
+
+@functools.lru_cache(maxsize=64)
+def _sequence_groups(n_seqs: int, per_block: int, device: torch.device, stream) -> torch.Tensor:
+    with torch.inference_mode(False):  # a later call with a gradient may read it too
+        firsts = torch.arange(0, n_seqs + per_block, per_block, dtype=torch.int32, device=device)
+        return firsts.clamp_(max=n_seqs)
+

@@ -7,7 +7,8 @@ for narrower ones. An inference forward (o alone) takes fused_fwd_opath at 64 co
 wherever that pays (o_path_pays: at 64 columns, at 32 from ~19 sequence-heads, at 128 from ~119; never over
 sequences of at most two chunks), which forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096 157.6 -> 150.3
 µs on the H200, benchmark/NOTES.md v37; 16/32 1x32768 walked whole 896.7 -> 859.3, 8x4096 549.7 -> 537.4, v48). Long
-sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel).
+sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel); many
+short ones several a block (sequences_per_block: fused_fwd_wide's PACKED).
 What a call decides from its shapes and options alone (the route, the V-tile width, the kernels)
 is decided once per shapes and options (forward_plan): the layers of a model step repeat them. A
 training forward may keep state checkpoints for the backward's recompute (keeps_checkpoints,
@@ -24,7 +25,7 @@ import torch
 
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
-from flash_qla.ops.chunks import chunk_tables, count_pieces
+from flash_qla.ops.chunks import chunk_rows, chunk_tables, count_pieces, sequence_groups
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.context_parallel import maps_of_pieces, split_specs, split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
@@ -324,6 +325,26 @@ def o_path_pays(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
     return o_path - KKT_P_CHUNK_US * sum(chunks) * Hv <= walk
 
 
+# the inference forward's walk over sequences of at most SHORT_CHUNKS chunks takes several a block (fused_fwd_wide's
+# PACKED) where one a block would run more than PACK_WAVES waves of blocks, each mostly its fixed work (its setup,
+# the first loads' wait): as many a block as leave PACK_WAVES waves (two, for the blocks' unequal lengths). H100,
+# kernels of the inference forward, one sequence a block -> packed, µs, o and final states bitwise equal
+# (benchmark/NOTES.md v74 step 5): 2/8 1024 sequences of 8 tokens 498 -> 346, 512 of 64 291 -> 277; 16/32 1954 ->
+# 1378, 1123 -> 1077
+PACK_WAVES = 2
+PACKED_BLOCK_V = 128
+
+
+def sequences_per_block(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> int:
+    """Sequences (of these chunk counts) a block of the inference forward's walk at BV columns takes: 1, or more
+    where every sequence is short (at most SHORT_CHUNKS chunks), the walk at PACKED_BLOCK_V columns and its blocks of
+    one sequence would run more than PACK_WAVES waves: then as many as leave PACK_WAVES waves. (fused_fwd_wide packs
+    at 64 columns too, but there whole_walk_width never has the blocks to pack: so many take 128.)"""
+    if BV != PACKED_BLOCK_V or max(chunks, default=0) > SHORT_CHUNKS:
+        return 1
+    return max(1, len(chunks) * Hv * (V // BV) // (PACK_WAVES * profile.num_sms))
+
+
 def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, training: bool, output_h: bool):
     """(split, BV, opath): whether the walk splits the sequences into pieces; else the V-tile width of
     the walk over whole sequences, and whether that walk is fused_fwd_opath (at 64 columns, with
@@ -422,6 +443,7 @@ class ForwardPlan(NamedTuple):
     slots: int  # chunk slots of kkt_solve's grid: T // C + N, an upper bound known without a sync
     split: bool  # the walk runs over pieces (splits_forward)
     opath: bool  # the walk is fused_fwd_opath, and kkt_solve forms no P
+    per_block: int  # sequences a block of the walk takes (sequences_per_block; > 1: fused_fwd_wide's PACKED)
     specs: tuple  # ((shape, dtype), ...) of kkt_solve's outputs, in its argument order
     kkt: Callable  # kkt_solve's executable
     walk: Callable  # the walk's executable: over whole sequences, or over the pieces from their start states
@@ -455,6 +477,9 @@ def forward_plan(
     name = DTYPE_NAMES[dtype]
     f32 = torch.float32
     split, BV, opath = walk_plan(seqlens, Hv, V, profile, auto_cp, training, output_h)
+    per_block = 1
+    if not (split or opath or training or output_h):
+        per_block = sequences_per_block([-(-n // profile.chunk) for n in seqlens], Hv, V, BV, profile)
     slots = T // C + N
     # kkt_solve's outputs: g_cum; γ again, chunk-major, for fused_fwd and fused_fwd_opath; e^γ and e^{γ_L − γ},
     # fused_fwd_wide's and fused_fwd_opath's γ; A; P = Q Kᵀ ⊙ Γ ⊙ Lower (unless the walk forms it)
@@ -470,6 +495,8 @@ def forward_plan(
     split_buffers = ()
     if opath:
         walk = fused_fwd_opath_kernel(Hqk, Hv, K, V, name, profile, has_h0)
+    elif per_block > 1:
+        walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_h0, False, PACKED=True)
     elif not split:
         walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_h0, store_h, False, keeps, KEEP_H=keep_states)
     else:  # the pieces (flash_qla.ops.context_parallel), each walk's width for their count
@@ -484,8 +511,8 @@ def forward_plan(
         compose = executable(compose_maps_kernel(Hv, K, V, profile, has_h0))
         split_buffers = split_specs(N, slots, Hv, K, V, profile)
     return ForwardPlan(
-        profile, slots, split, opath, specs, executable(kkt), executable(walk), BV, keeps, keep_states, map_walk,
-        offsets, BV_maps, compose, split_buffers,
+        profile, slots, split, opath, per_block, specs, executable(kkt), executable(walk), BV, keeps, keep_states,
+        map_walk, offsets, BV_maps, compose, split_buffers,
     )  # fmt: skip
 
 
@@ -572,6 +599,10 @@ def _forward_kernels(
             h0 = placeholder
         if plan.opath:
             plan.walk(q, k, v, gates, A, gamma, cu_seqlens, chunk_offsets, h0, o, final_state, scale)
+        elif plan.per_block > 1:  # groups of sequences a block, each chunk's row through the walk's ring
+            groups = sequence_groups(N, plan.per_block, q)
+            rows = chunk_rows(cu_seqlens, C, slots)
+            plan.walk(q, k, v, gates, A, P, groups, chunk_offsets, rows, h0, o, final_state, scale)
         else:
             states = h if h is not None else checkpoints if checkpoints is not None else placeholder
             plan.walk(
@@ -602,6 +633,10 @@ def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K
         for has_h0 in (False, True):
             for store_h in (False, True):
                 builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, store_h)))
+        # the inference walk taking several short sequences a block (sequences_per_block)
+        if bv == PACKED_BLOCK_V:
+            for has_h0 in (False, True):
+                builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, *(False,) * 5, True)))
         # the pieces' maps M and offsets b of a split walk (flash_qla.ops.context_parallel)
         builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, False, True, False, True)))
         builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, False, True)))

@@ -21,6 +21,15 @@ def chunk_offsets_of(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(n_chunks, 0), (1, 0)).to(torch.int32)
 
 
+def slot_sequences(offsets: torch.Tensor, slots: int) -> tuple:
+    """(slot, seq): every chunk slot [slots] int32 and the sequence it belongs to [slots] int64, from chunk_offsets:
+    the last n with offsets[n] <= slot (skips empty sequences); slots past the last chunk land on the last sequence,
+    past its end."""
+    slot = torch.arange(slots, dtype=torch.int32, device=offsets.device)
+    seq = torch.searchsorted(offsets, slot, right=True, out_int32=True).sub_(1).clamp_(0, offsets.numel() - 2).long()
+    return slot, seq
+
+
 @cache_last(device_result=True)
 def chunk_table(cu_seqlens: torch.Tensor, chunk: int, slots: int) -> torch.Tensor:
     """[slots, 2] int32: (first token, tokens) of every global chunk; (_, 0) for slots past the last.
@@ -29,10 +38,7 @@ def chunk_table(cu_seqlens: torch.Tensor, chunk: int, slots: int) -> torch.Tenso
     instead of searching chunk_offsets. Zero-length sequences hold no chunk.
     """
     offsets = chunk_offsets_of(cu_seqlens, chunk)
-    slot = torch.arange(slots, dtype=torch.int32, device=cu_seqlens.device)
-    # the sequence of each chunk: the last n with offsets[n] <= slot (skips empty sequences);
-    # slots past the last chunk land on the last sequence, past its end
-    seq = torch.searchsorted(offsets, slot, right=True, out_int32=True).sub_(1).clamp_(0, offsets.numel() - 2).long()
+    slot, seq = slot_sequences(offsets, slots)
     start = cu_seqlens[seq] + (slot - offsets[seq]) * chunk
     tokens = (cu_seqlens[seq + 1] - start).clamp_(0, chunk)
     return torch.stack((start, tokens), dim=1).to(torch.int32)
@@ -48,8 +54,7 @@ def chunk_rows(cu_seqlens: torch.Tensor, chunk: int, slots: int) -> torch.Tensor
     sequence's first chunk, 2 where its last (3: both); zeros for slots past the last. What the packed walk
     (flash_qla.ops.fused_fwd_wide, PACKED) reads of each chunk it walks, one row through its ring."""
     offsets = chunk_offsets_of(cu_seqlens, chunk)
-    slot = torch.arange(slots, dtype=torch.int32, device=cu_seqlens.device)
-    seq = torch.searchsorted(offsets, slot, right=True, out_int32=True).sub_(1).clamp_(0, offsets.numel() - 2).long()
+    slot, seq = slot_sequences(offsets, slots)
     inside = slot < offsets[-1]
     flags = (slot == offsets[seq]).int() + 2 * (slot + 1 == offsets[seq + 1]).int()
     rows = torch.stack((*chunk_table(cu_seqlens, chunk, slots).unbind(1), seq.int(), flags), dim=1)
@@ -78,8 +83,7 @@ def checkpoint_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: i
     n_seqs = cu_seqlens.numel() - 1
     offsets = chunk_offsets_of(cu_seqlens, chunk)
     first_token = chunk_table(cu_seqlens, chunk, slots)[:, 0]
-    j = torch.arange(slots, dtype=torch.int32, device=cu_seqlens.device)
-    seq = torch.searchsorted(offsets, j, right=True, out_int32=True).sub_(1).clamp_(0, n_seqs - 1).long()
+    j, seq = slot_sequences(offsets, slots)
     inside = j < offsets[-1]  # a chunk of some sequence
     seq_start = inside & (offsets[seq] == j)
     starts = seq_start | (inside & (j % every == 0))
@@ -141,4 +145,3 @@ def _sequence_groups(n_seqs: int, per_block: int, device: torch.device, stream) 
     with torch.inference_mode(False):  # a later call with a gradient may read it too
         firsts = torch.arange(0, n_seqs + per_block, per_block, dtype=torch.int32, device=device)
         return firsts.clamp_(max=n_seqs)
-

@@ -443,11 +443,12 @@ def test_sequence_groups(n_seqs, per_block, expected):
 @pytest.mark.parametrize(
     "seqlens,Hv,per_block",
     [
-        ((8,) * 1024, 8, 31),  # 8192 blocks of one sequence each: 31 a block leave two waves
-        ((64,) * 512, 32, 62),
-        ((128,) * 256, 8, 7),  # two chunks a sequence
-        ((1, 64, 65, 128, 0) * 40, 8, 6),  # 1600 blocks (empty sequences too)
+        ((8,) * 1024, 8, 32),  # 8192 blocks of one sequence each: 32 a block, 256 blocks (31: 272, a third wave)
+        ((64,) * 512, 32, 64),  # 8 blocks a v-head, 256 in all (62: 9 a v-head, 288)
+        ((128,) * 256, 8, 8),  # two chunks a sequence
+        ((1, 64, 65, 128, 0) * 40, 8, 7),  # 1600 blocks (empty sequences too): 232
         ((8,) * 66, 8, 2),  # 528 blocks: four waves
+        ((8,) * 33, 8, 1),  # 264 blocks: two waves
         ((8,) * 32, 8, 1),  # 256 blocks: two waves, nothing to pack
         ((129,) * 1024, 8, 1),  # three chunks a sequence (the O path here)
         ((8,) * 1023 + (200,), 8, 1),  # one sequence of four chunks
@@ -456,12 +457,15 @@ def test_sequence_groups(n_seqs, per_block, expected):
 def test_short_sequences_share_blocks(seqlens, Hv, per_block, monkeypatch):
     """The inference forward's walk over many short sequences (at most SHORT_CHUNKS chunks) takes several a block
     (sequences_per_block): as many as leave PACK_WAVES waves of blocks at 128 columns; the plan then builds the
-    PACKED walk. A training forward or one with output_h walks one sequence a block."""
+    PACKED walk, whose blocks then run in at most PACK_WAVES waves. A training forward or one with output_h walks one
+    sequence a block."""
     from flash_qla.ops import forward
 
     chunks = [-(-n // SM90.chunk) for n in seqlens]
     split, BV, opath = walk_plan(seqlens, Hv, 128, SM90, True, False, False)
     assert sequences_per_block(chunks, Hv, 128, BV, SM90) == (1 if split or opath else per_block)
+    if per_block > 1:  # the walk's blocks at 128 columns
+        assert -(-len(seqlens) // per_block) * Hv <= forward.PACK_WAVES * SM90.num_sms
 
     def plan(training=False, output_h=False):
         bf16 = torch.bfloat16

@@ -201,6 +201,7 @@ def test_wide_walk_forward_matches_reference(case, poisoned, monkeypatch):
 # first and last sequences ending mid-chunk, empty ones among them
 PACKED_CASES = [
     Case("packed_edges_h0", (1, 64, 65, 128, 0, 63) * 60, heads=(2, 8), h0=True),
+    Case("packed_empty", (0, 8, 0, 64, 1, 0, 128) * 60, heads=(4, 8)),  # empty ones' final states zero
     Case("packed_short", short_seqlens(700, 3, longest=128), heads=(4, 16)),
     Case("packed_fp16_h0", short_seqlens(400, 4, longest=100), heads=(2, 8), dtype=torch.float16, h0=True),
 ]
@@ -662,16 +663,22 @@ def test_no_recompile_across_batch_shapes(monkeypatch):
     """Sequence lengths, batch and cu_seqlens are run-time values: calls that the planner routes alike
     compile nothing after the first, whatever their lengths, batch or number of sequences.
 
-    The route (split or not, the walk's V-tile width, the O path) follows the lengths (walk_plan), and
-    each route's kernels are their own builds (precompile builds them all). Here two routes, an inference
-    forward at 128 columns (equal lengths, packed and dense) and on the O path (unequal lengths, empty and
-    1-token sequences, chunk edges), each called first once; then every other pattern of either route
-    compiles nothing (any TileLang compile, a load from its disk cache included, is counted).
+    The route (split or not, the walk's V-tile width, the O path, several sequences a block or one) follows
+    the lengths (walk_plan, sequences_per_block), and each route's kernels are their own builds (precompile builds
+    them all). Here three routes, an inference forward at 128 columns (equal lengths, packed and dense), on the O
+    path (unequal lengths, empty and 1-token sequences, chunk edges) and over many short sequences several a block
+    (a different number a block in each pattern: a run-time value), each called first once; then every other
+    pattern of each route compiles nothing (any TileLang compile, a load from its disk cache included, is counted).
     """
     import tilelang
 
     from flash_qla.arch import SM90
-    from flash_qla.ops.forward import walk_plan
+    from flash_qla.ops.forward import sequences_per_block, walk_plan
+
+    def route(seqlens):
+        split, BV, opath = walk_plan(seqlens, 8, 128, SM90, True, False, False)
+        packed = sequences_per_block([-(-n // SM90.chunk) for n in seqlens], 8, 128, BV, SM90) > 1
+        return split, BV, opath, packed
 
     def run(seqlens, dense):
         if dense:  # B rows of one length, no cu_seqlens
@@ -682,13 +689,15 @@ def test_no_recompile_across_batch_shapes(monkeypatch):
         return flash_qla.chunk_gated_delta_rule(**x, cu_seqlens=cu)
 
     routes = {  # route -> (seqlens, dense) patterns, the first called before counting
-        (False, 128, False): [((100,) * 9, False), ((64, 64, 1) * 3, False), ((50,) * 12, False),
-                              ((700,) * 9, True), ((2048,) * 9, True)],
-        (False, 64, True): [((200, 0, 1, 63, 65) * 2, False), ((300, 0, 1, 63, 65, 500, 64, 128, 200), False),
-                            ((1, 2, 3, 4, 300) * 2, False), ((300,) * 5, True)],
+        (False, 128, False, False): [((100,) * 9, False), ((64, 64, 1) * 3, False), ((50,) * 12, False),
+                                     ((700,) * 9, True), ((2048,) * 9, True)],
+        (False, 64, True, False): [((200, 0, 1, 63, 65) * 2, False), ((300, 0, 1, 63, 65, 500, 64, 128, 200), False),
+                                   ((1, 2, 3, 4, 300) * 2, False), ((300,) * 5, True)],
+        (False, 128, False, True): [((40,) * 400, False), ((1, 64, 128, 0, 5) * 60, False), ((8,) * 1024, False),
+                                    ((100,) * 300, True)],
     }  # fmt: skip
-    for route, patterns in routes.items():
-        assert {walk_plan(seqlens, 8, 128, SM90, True, False, False) for seqlens, _ in patterns} == {route}
+    for key, patterns in routes.items():
+        assert {route(seqlens) for seqlens, _ in patterns} == {key}
         run(*patterns[0])
     compiles = []
     compile_ = tilelang.compile

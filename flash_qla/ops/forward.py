@@ -327,10 +327,13 @@ def o_path_pays(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
 
 # the inference forward's walk over sequences of at most SHORT_CHUNKS chunks takes several a block (fused_fwd_wide's
 # PACKED) where one a block would run more than PACK_WAVES waves of blocks, each mostly its fixed work (its setup,
-# the first loads' wait): as many a block as leave PACK_WAVES waves (two, for the blocks' unequal lengths). H100,
-# kernels of the inference forward, one sequence a block -> packed, µs, o and final states bitwise equal
-# (benchmark/NOTES.md v74 step 5): 2/8 1024 sequences of 8 tokens 498 -> 346, 512 of 64 291 -> 277; 16/32 1954 ->
-# 1378, 1123 -> 1077
+# the first loads' wait): as few a block as keep its blocks within PACK_WAVES waves (two, for the blocks' unequal
+# lengths; one wave ran up to 4 % slower, 0.6 % faster at 2/8 over 1024 of 8 tokens). H100, kernels of the inference forward,
+# one sequence a block -> packed, µs, o and final states bitwise equal (benchmark/NOTES.md v75 step 3): 2/8 1024
+# sequences of 8 tokens 502 -> 345, 512 of 64 292 -> 263, 256 of 128 212 -> 208, (1, 64, 65, 128, 0, 8, 100, 127) x
+# 64 306 -> 272; 16/32 1964 -> 1347, 1125 -> 1077, the mix 1217 -> 1089; at three chunks and more packing loses (v75
+# step 1). Counted as N·Hv / (PACK_WAVES · SMs) a block (session 74), the groups rounded up past two waves (272
+# blocks at 2/8 over 1024 of 8 tokens): 512 of 64 at 2/8 277 µs, 256 of 128 228 (v75 step 2)
 PACK_WAVES = 2
 PACKED_BLOCK_V = 128
 
@@ -338,11 +341,13 @@ PACKED_BLOCK_V = 128
 def sequences_per_block(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> int:
     """Sequences (of these chunk counts) a block of the inference forward's walk at BV columns takes: 1, or more
     where every sequence is short (at most SHORT_CHUNKS chunks), the walk at PACKED_BLOCK_V columns and its blocks of
-    one sequence would run more than PACK_WAVES waves: then as many as leave PACK_WAVES waves. (fused_fwd_wide packs
-    at 64 columns too, but there whole_walk_width never has the blocks to pack: so many take 128.)"""
+    one sequence would run more than PACK_WAVES waves: then the fewest whose blocks (ceil(N / per_block) a v-head and
+    V-tile) fit in PACK_WAVES waves. (fused_fwd_wide packs at 64 columns too, but there whole_walk_width never has
+    the blocks to pack: so many take 128.)"""
     if BV != PACKED_BLOCK_V or max(chunks, default=0) > SHORT_CHUNKS:
         return 1
-    return max(1, len(chunks) * Hv * (V // BV) // (PACK_WAVES * profile.num_sms))
+    groups = max(1, PACK_WAVES * profile.num_sms // (Hv * (V // BV)))  # a v-head's blocks in PACK_WAVES waves
+    return -(-len(chunks) // groups)
 
 
 def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, training: bool, output_h: bool):

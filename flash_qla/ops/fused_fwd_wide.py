@@ -58,10 +58,13 @@ offsets no longer follow from one sequence start: chunk_rows' row of each (first
 sequence, flags) comes through the ring with its tiles (the producer reads the first token itself
 for the tiles' coordinates), in a 128-byte stage (a TMA destination's alignment), and the previous
 chunk's o is stored at its own offset and length. Per chunk the same arithmetic: o and the final states
-bitwise those of one sequence a block. H100 (benchmark/NOTES.md v74 step 5), kernels of the inference
-forward: 2/8 over 1024 sequences of 8 tokens 498 -> 346 µs (31 a block), 16/32 1954 -> 1378 (124);
-512 of 64 tokens 291 -> 277 and 1123 -> 1077: what is left a sequence is its chunk's chain and its
-final state's element-wise stores (64 KiB a v-head at 128 columns).
+bitwise those of one sequence a block. H100 (benchmark/NOTES.md v75 step 3), kernels of the inference
+forward: 2/8 over 1024 sequences of 8 tokens 502 -> 345 µs (32 a block), 16/32 1964 -> 1347 (128);
+512 of 64 tokens 292 -> 263 and 1125 -> 1077: what is left a sequence is its chunk's chain and its
+final state's stores (64 KiB a v-head at 128 columns: 537 MB over 1024 sequences at 2/8, 0.16 ms at the
+H100's 3.35 TB/s). The empty sequences' final states are copied after the walk, the columns the threads'
+fastest index (16-byte stores; with the rows fastest, 2/8 over 512 sequences of 64 tokens and 512 empty ones
+took 1249 µs against 333 one a block on the H200, v75 step 2).
 Arguments as the walk's but (…, P, groups [n_groups + 1], chunk_offsets, rows [slots, 4], h0, o, ht,
 scale).
 """
@@ -308,13 +311,15 @@ def fused_fwd_wide_kernel(
         if PACKED:
             if chunk_offsets[end_seq] > first_chunk:
                 store_o(Ot_prev, o_s, o, prev_t0, prev_valid, ih, v0, tx)
-            for s in T.serial(first_seq, end_seq):  # the group's empty sequences: their initial state
+            # the group's empty sequences: their initial state, the columns (contiguous in ht) the threads' fastest
+            # index (over (j, d) a warp's 4-byte stores fell 32 rows of ht apart: a sector each)
+            for s in T.serial(first_seq, end_seq):
                 if chunk_offsets[s + 1] == chunk_offsets[s]:
                     if HAS_H0:
-                        for j, d in T.Parallel(BV, K):
+                        for d, j in T.Parallel(K, BV):
                             ht[s, ih, d, v0 + j] = h0[s, ih, d, v0 + j]
                     else:
-                        for j, d in T.Parallel(BV, K):
+                        for d, j in T.Parallel(K, BV):
                             ht[s, ih, d, v0 + j] = 0.0
         elif not STATES_ONLY and seqlen > 0:
             last = (seqlen - 1) // C

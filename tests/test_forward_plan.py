@@ -161,12 +161,20 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
         ((8,) * 1024, 8, False, False, (False, 128, False)),
         ((64,) * 512, 32, False, False, (False, 128, False)),  # 1341.5 against 1133.9
         ((128,) * 256, 8, False, False, (False, 128, False)),  # two chunks: 237.1 against 212.0
+        ((192,) * 170, 8, False, False, (False, 128, False)),  # three (session 76): 201.7 against 192.2
+        ((256,) * 128, 8, False, False, (False, 128, False)),  # four: 187.2 against 183.0
+        ((300,) * 100, 8, False, False, (False, 64, True)),  # five: 175.9 against 176.3
         ((512,) * 64, 32, False, False, (False, 64, True)),  # eight chunks: 619.7 against 670.0 at 128
+        # a few short sequences, where the walk would run at 64 or 32 columns: the model's O path (session 76)
+        ((128,) * 8, 8, False, False, (False, 64, True)),  # 14.0 against 14.9 at 64
+        ((128,), 32, False, False, (False, 64, True)),  # 13.2 against 14.4 at 32
+        ((192,) * 4, 16, False, False, (False, 64, True)),  # 15.9 against 17.0 at 64
     ],
     ids=[
         "2/8_8x4096", "training", "output_h", "16/32_8x4096", "4/16_8x4096", "16/48_2x2048", "16/32_8x4096_training",
         "16/32_1x2048", "16/32_1x4096", "16/32_1x2048_training", "16/32_1x2048_output_h", "2/8_1x2048", "split",
-        "16/48_28672+4096", "2/8_8x1024", "16/32_64x512", "2/8_128x256", "16/32_512x64",
+        "16/48_28672+4096", "2/8_8x1024", "16/32_64x512", "2/8_128x256", "2/8_192x170", "2/8_256x128", "2/8_300x100",
+        "16/32_512x64", "2/8_128x8", "16/32_128x1", "4/16_192x4",
     ],
 )
 def test_o_path_walk_only_for_o_alone_where_it_pays(seqlens, Hv, training, output_h, expected):
@@ -450,12 +458,12 @@ def test_sequence_groups(n_seqs, per_block, expected):
         ((8,) * 66, 8, 2),  # 528 blocks: four waves
         ((8,) * 33, 8, 1),  # 264 blocks: two waves
         ((8,) * 32, 8, 1),  # 256 blocks: two waves, nothing to pack
-        ((129,) * 1024, 8, 1),  # three chunks a sequence (the O path here)
+        ((129,) * 1024, 8, 1),  # three chunks a sequence (one a block at 128 columns: PACK_CHUNKS)
         ((8,) * 1023 + (200,), 8, 1),  # one sequence of four chunks
     ],
 )
 def test_short_sequences_share_blocks(seqlens, Hv, per_block, monkeypatch):
-    """The inference forward's walk over many short sequences (at most SHORT_CHUNKS chunks) takes several a block
+    """The inference forward's walk over many short sequences (at most PACK_CHUNKS chunks) takes several a block
     (sequences_per_block): as many as leave PACK_WAVES waves of blocks at 128 columns; the plan then builds the
     PACKED walk, whose blocks then run in at most PACK_WAVES waves. A training forward or one with output_h walks one
     sequence a block."""

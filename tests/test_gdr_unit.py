@@ -165,6 +165,8 @@ OPATH_CASES = [
     Case("opath_gva1_h0", (700, 0, 1, 2000), heads=(16, 16), h0=True),
     Case("opath_strong_gate_edges", (0, 1, 63, 64, 65, 0, 130, 1000, 1000, 1000, 1000), heads=(2, 8), gate="strong"),
     Case("opath_fp16_4096x8", (4096,) * 8, heads=(2, 8), dtype=torch.float16, h0=True),
+    # a few sequences of at most two chunks: the walk would run at 32 columns, the O path at 64 leads there
+    Case("opath_few_short_edges_h0", (1, 64, 65, 128, 0, 77), heads=(4, 16), h0=True),
 ]
 
 
@@ -185,6 +187,8 @@ WIDE_WALK_CASES = [
     Case("wide128_fp16_edges_h0", (65, 100, 127), dtype=torch.float16, h0=True),
     # every sequence one chunk, over many waves of blocks: no O path (o_path_pays, SHORT_CHUNKS)
     Case("wide128_one_chunk_each_h0", short_seqlens(300, 2, longest=64), heads=(2, 8), h0=True),
+    # three and four chunks a sequence: no O path at 128 columns, one sequence a block (sequences_per_block)
+    Case("wide128_three_four_chunks_h0", tuple(n + 128 for n in short_seqlens(170, 5, 128)), heads=(2, 8), h0=True),
 ]
 
 

@@ -4,10 +4,10 @@ Reads like DESIGN.md §1: g_cum and A for all chunks in parallel, then one walk 
 chunks of each (sequence, v-head, V-tile) that produces o, the final state and, when
 asked, the per-chunk states h: fused_fwd_wide for V-tiles of 64 or 128 columns, fused_fwd
 for narrower ones. An inference forward (o alone) takes fused_fwd_opath at 64 columns instead
-wherever that pays (o_path_pays: at 64 columns, at 32 from ~19 sequence-heads, at 128 from ~119; never over
-sequences of at most two chunks), which forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096 157.6 -> 150.3
-µs on the H200, benchmark/NOTES.md v37; 16/32 1x32768 walked whole 896.7 -> 859.3, 8x4096 549.7 -> 537.4, v48). Long
-sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel); many
+wherever that pays (o_path_pays: at 64 columns, at 32 from ~19 sequence-heads, at 128 from ~119; never at 128
+over sequences of at most four chunks), which forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096 157.6 ->
+150.3 µs on the H200, benchmark/NOTES.md v37; 16/32 1x32768 walked whole 896.7 -> 859.3, 8x4096 549.7 -> 537.4,
+v48). Long sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel); many
 short ones several a block (sequences_per_block: fused_fwd_wide's PACKED).
 What a call decides from its shapes and options alone (the route, the V-tile width, the kernels)
 is decided once per shapes and options (forward_plan): the layers of a model step repeat them. A
@@ -287,8 +287,9 @@ def checkpoint_rows(slots: int, n_seqs: int, profile: ArchProfile) -> int:
     return slots // profile.checkpoint_chunks + 1 + n_seqs
 
 
-# sequences of at most this many chunks never take the O path (o_path_pays)
-SHORT_CHUNKS = 2
+# where the walk would run at more than OPATH_BLOCK_V columns, sequences of at most this many chunks never take the O
+# path (o_path_pays)
+SHORT_CHUNKS = 4
 
 
 def o_path_pays(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
@@ -309,42 +310,51 @@ def o_path_pays(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
     Unequal lengths (v53): 16/48 28672+4096, the walk at 64 columns / the O path 984.2 / 872.3, 4096+28672 1064.3 /
     942.5.
 
-    Never where no sequence has a third chunk (SHORT_CHUNKS): the two O warpgroups take alternate chunks and form
-    each one's P beside the chain, under the chains of the chunks after it; a block walking one or two chunks has
-    few or none to hide it under, and each of its blocks (twice the 128-column walk's) is mostly its fixed work,
-    which the chunk costs leave out. H100, inference forward, output_final_state, the model's O path / the walk at
-    128 columns, µs (benchmark/NOTES.md session 73): 2/8 1024 sequences of 8 tokens 648.8 / 494.9, 512 of 64
-    331.8 / 291.0, 256 of 128 237.1 / 212.0; 16/32 1024 of 8 2503.5 / 1919.5, 512 of 64 1341.5 / 1133.9, 256 of 128
-    940.5 / 833.5; at four chunks even (2/8 128 of 256 185.5 / 182.1, 16/32 716.9 / 714.7), at eight the O path
-    ahead (2/8 64 of 512 165.7 / 171.2, 16/32 619.7 / 670.0).
+    Never where the walk would run at 128 columns and no sequence has a fifth chunk (SHORT_CHUNKS): the two O
+    warpgroups take alternate chunks and form each one's P beside the chain, under the chains of the chunks after it;
+    a block walking a few chunks has few to hide it under, and the O path's blocks (twice those of the walk at 128
+    columns) are mostly their fixed work, which the chunk costs leave out. H100, inference forward,
+    output_final_state, kernels, the O path / the walk at 128 columns, µs (medians of three rounds,
+    benchmark/NOTES.md sessions 73 and 76): one chunk a sequence, 2/8 1024 of 8 tokens 648.8 / 494.9, 16/32 1024 of 8
+    2503.5 / 1919.5, 512 of 64 1341.5 / 1133.9; two, 2/8 256 of 128 237.1 / 212.0; three, 2/8 170 of 192 201.7 /
+    192.2, 16 of 192 24.0 / 22.9, 32 of 192 45.8 / 45.2, 16/32 170 of 192 777.1 / 748.1, 8 of 192 48.1 / 47.9, 4 of
+    192 24.9 / 23.7, (150, 20, 192, 64) x 16 244.9 / 211.4, 16/48 32 of 192 232.6 / 220.6, 4/16 32 of 150 81.0 / 79.2;
+    four, 2/8 128 of 256 187.2 / 183.0, 16/32 714.6 / 712.8, 32 of 256 195.3 / 194.8; five even (2/8 100 of 300 175.9
+    / 176.3, 16/32 662.2 / 656.8), from six the O path ahead (2/8 85 of 384 169.2 / 177.0, 64 of 512 163.9 / 170.2,
+    16/32 619.7 / 670.0). Where the walk would run at 64 or 32 columns (a few sequences) its blocks are no fewer than
+    the O path's, and the O path led at every length measured, as the model has it (O path / the walk at its width):
+    2/8 8 of 128 14.0 / 14.9 at 64, 16/32 1 of 128 13.2 / 14.4 at 32, 8/32 2 of 128 14.1 / 15.0 at 64, 2/8 8 of 192
+    16.0 / 17.2 at 64, 16/32 1 of 192 14.9 / 15.7 at 32, 4/16 4 of 192 15.9 / 17.0 at 64, 2/8 8 of 256 17.2 / 18.7.
     """
-    if max(chunks, default=0) <= SHORT_CHUNKS:
+    if BV > OPATH_BLOCK_V and max(chunks, default=0) <= SHORT_CHUNKS:
         return False
     walk = whole_walk_time(chunks, Hv, V, BV, profile, FORWARD_CHUNK_US)
     o_path = whole_walk_time(chunks, Hv, V, OPATH_BLOCK_V, profile, O_PATH_CHUNK_US)
     return o_path - KKT_P_CHUNK_US * sum(chunks) * Hv <= walk
 
 
-# the inference forward's walk over sequences of at most SHORT_CHUNKS chunks takes several a block (fused_fwd_wide's
+# the inference forward's walk over sequences of at most PACK_CHUNKS chunks takes several a block (fused_fwd_wide's
 # PACKED) where one a block would run more than PACK_WAVES waves of blocks, each mostly its fixed work (its setup,
 # the first loads' wait): as few a block as keep its blocks within PACK_WAVES waves (two, for the blocks' unequal
 # lengths; one wave ran up to 4 % slower, 0.6 % faster at 2/8 over 1024 of 8 tokens). H100, kernels of the inference forward,
 # one sequence a block -> packed, µs, o and final states bitwise equal (benchmark/NOTES.md v75 step 3): 2/8 1024
 # sequences of 8 tokens 502 -> 345, 512 of 64 292 -> 263, 256 of 128 212 -> 208, (1, 64, 65, 128, 0, 8, 100, 127) x
 # 64 306 -> 272; 16/32 1964 -> 1347, 1125 -> 1077, the mix 1217 -> 1089; at three chunks and more packing loses (v75
-# step 1). Counted as N·Hv / (PACK_WAVES · SMs) a block (session 74), the groups rounded up past two waves (272
-# blocks at 2/8 over 1024 of 8 tokens): 512 of 64 at 2/8 277 µs, 256 of 128 228 (v75 step 2)
+# step 1: 2/8 170 of 192 tokens 192.4 -> 218.8 µs, 16/32 744.6 -> 792.2). Counted as N·Hv / (PACK_WAVES · SMs) a block
+# (session 74), the groups rounded up past two waves (272 blocks at 2/8 over 1024 of 8 tokens): 512 of 64 at 2/8 277 µs,
+# 256 of 128 228 (v75 step 2)
 PACK_WAVES = 2
+PACK_CHUNKS = 2
 PACKED_BLOCK_V = 128
 
 
 def sequences_per_block(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> int:
     """Sequences (of these chunk counts) a block of the inference forward's walk at BV columns takes: 1, or more
-    where every sequence is short (at most SHORT_CHUNKS chunks), the walk at PACKED_BLOCK_V columns and its blocks of
+    where every sequence is short (at most PACK_CHUNKS chunks), the walk at PACKED_BLOCK_V columns and its blocks of
     one sequence would run more than PACK_WAVES waves: then the fewest whose blocks (ceil(N / per_block) a v-head and
     V-tile) fit in PACK_WAVES waves. (fused_fwd_wide packs at 64 columns too, but there whole_walk_width never has
     the blocks to pack: so many take 128.)"""
-    if BV != PACKED_BLOCK_V or max(chunks, default=0) > SHORT_CHUNKS:
+    if BV != PACKED_BLOCK_V or max(chunks, default=0) > PACK_CHUNKS:
         return 1
     groups = max(1, PACK_WAVES * profile.num_sms // (Hv * (V // BV)))  # a v-head's blocks in PACK_WAVES waves
     return -(-len(chunks) // groups)

@@ -44,7 +44,7 @@ def stub_the_gpu(stamps):
     forward.get_profile = lambda device: SM90
     forward.on_device = lambda device: contextlib.nullcontext()
     forward.side_stream = lambda device: Stream()
-    torch.cuda.current_stream = lambda device=None: Stream()
+    forward.current_stream = lambda device: Stream()
     torch.cuda.set_stream = lambda stream: None
     torch.Tensor.record_stream = lambda tensor, stream: None
     torch.cuda.is_current_stream_capturing = lambda: False

@@ -92,7 +92,7 @@ from flash_qla.ops.forward import (
 from flash_qla.ops.fused_bwd import fused_bwd_kernel
 from flash_qla.ops.fused_bwd_wide import fused_bwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
-from flash_qla.ops.launch import executable, fork, on_device, side_stream
+from flash_qla.ops.launch import current_stream, executable, fork, on_device, side_stream
 
 
 def backward_walk_kernel(BV: int):
@@ -350,7 +350,7 @@ def _backward_kernels(
         else:
             walks, firsts, rows = checkpoint_pieces(cu_seqlens, C, slots, profile.checkpoint_chunks)
         ht = torch.empty(walks.numel() - 1, Hv, K, V, dtype=f32, device=q.device)
-        beside, main = side_stream(q.device), torch.cuda.current_stream(q.device)
+        beside, main = side_stream(q.device), current_stream(q.device)
         with fork(beside, main):
             if checkpoints is None:
                 h0 = initial_state

@@ -33,7 +33,7 @@ from flash_qla.ops.fused_fwd_opath import BV as OPATH_BLOCK_V
 from flash_qla.ops.fused_fwd_opath import fused_fwd_opath_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
-from flash_qla.ops.launch import executable, on_device, side_stream
+from flash_qla.ops.launch import current_stream, executable, on_device, side_stream
 from flash_qla.reference.chunked import CHUNK_SIZE
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -587,7 +587,7 @@ def _forward_kernels(
         # the walks leave out the chunks of each piece whose part of M, b (and the backward's b') the
         # gates make negligible (log_norms); the map walk runs on a second stream, beside the offsets
         # walk: where the gates decay, each leaves most SMs idle behind the few pieces it walks in full
-        streams = side_stream(q.device), torch.cuda.current_stream(q.device)
+        streams = side_stream(q.device), current_stream(q.device)
         maps_gate = walk_gate(plan.BV_maps, gamma, gates)
         maps_of_pieces(
             plan.map_walk, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, D, streams

@@ -67,12 +67,28 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[device]
 
 
+_current_streams: dict = {}
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """torch.cuda.current_stream(device), the Stream object kept per raw stream handle: torch's call builds it through
+    Python frames, 6.9-7.8 µs of an H100 host's time, where the handle is one C call (a split inference call at 2/8
+    over 8192 tokens, host-bound: 143.8 -> 139.7 µs, medians of three processes; benchmark/NOTES.md v76 steps 5-6).
+    A handle names one stream for as long as the process runs (PyTorch never frees its pool's streams; an external
+    stream found again at the same address is a Stream object equal to the kept one)."""
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    stream = _current_streams.get(key)
+    if stream is None:
+        stream = _current_streams[key] = torch.cuda.current_stream(device)
+    return stream
+
+
 @contextlib.contextmanager
 def fork(beside: torch.cuda.Stream, main: torch.cuda.Stream):
-    """Launch on `beside` (side_stream) after the work queued on `main`, the current stream, so far; main is current
-    again after. The caller joins them (main.wait_stream(beside)) before anything on main reads what beside wrote.
-    main is the caller's, looked up once for the fork and the join (torch.cuda.stream(beside) would look the
-    current stream and device up again)."""
+    """Launch on `beside` (side_stream) after the work queued on `main`, the current stream (current_stream), so far;
+    main is current again after. The caller joins them (main.wait_stream(beside)) before anything on main reads what
+    beside wrote. main is the caller's, looked up once for the fork and the join (torch.cuda.stream(beside) would look
+    the current stream and device up again)."""
     beside.wait_stream(main)
     torch.cuda.set_stream(beside)
     try:

@@ -340,3 +340,27 @@ def test_the_low_level_entry_points_over_a_dense_batch(gpu_route):
     grads = flash_qla.chunk_gated_delta_rule_bwd(q, k, v, g_cum, beta, A, do, dht=final_state, initial_state=h0)
     assert [x.shape for x in grads] == [q.shape, k.shape, v.shape, beta.shape, g.shape, h0.shape]
     assert "chunk_grads" in gpu_route
+
+
+def test_current_stream_is_looked_up_once_per_stream_handle(monkeypatch):
+    """launch.current_stream keeps torch.cuda.current_stream's Stream per (device, raw handle): the same object while
+    the handle stays current, torch's lookup again for a stream not seen before (streams simulated on the CPU)."""
+    from flash_qla.ops import launch
+
+    handle, looked_up = [7], []
+
+    def torch_current_stream(device=None):
+        looked_up.append(handle[0])
+        return ("stream", handle[0])
+
+    monkeypatch.setattr(launch, "_current_streams", {})
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: handle[0], raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", torch_current_stream)
+    device = torch.device("cuda", 0)
+    first = launch.current_stream(device)
+    assert launch.current_stream(device) is first and looked_up == [7]
+    handle[0] = 9  # another stream made current
+    assert launch.current_stream(device) == ("stream", 9) and looked_up == [7, 9]
+    handle[0] = 7
+    assert launch.current_stream(device) is first and looked_up == [7, 9]
+    assert launch.current_stream(torch.device("cuda", 1)) == ("stream", 7) and looked_up == [7, 9, 7]  # per device

@@ -74,9 +74,9 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
+from flash_qla.ops.chunks import ROW_FIELDS
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
 from flash_qla.ops.negligible import walk_start
-from flash_qla.ops.chunks import ROW_FIELDS
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
     STAGE_PAD,

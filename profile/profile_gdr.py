@@ -34,8 +34,7 @@ from flash_qla.reference.inputs import make_inputs  # noqa: E402
 SETS = {
     "develop": [("16/32", [32768]), ("16/32", [4096] * 8), ("2/8", [32768]), ("16/32", [2048])],
     "single": [("16/32", [32768])],
-    # README's "where the time goes" table: the bars' layouts, one and eight sequences (2/8 and 4/16
-    # at 32768 tokens walk split)
+    # the bars' layouts, one and eight sequences (2/8 and 4/16 at 32768 tokens walk split)
     "bars": [("16/32", [32768]), ("16/32", [4096] * 8), ("4/16", [32768]), ("2/8", [32768]), ("2/8", [4096] * 8)],
 }
 

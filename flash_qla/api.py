@@ -1,11 +1,16 @@
 """Public entry points: validation, defaults, state layout, qk L2 norm and packing around the core.
 
-Each is opaque to torch.compile (eager_only: torch.compiler.disable, as FLA's own entry point, while
-compiling): a compiled model breaks its graph around the call and runs it eagerly. Traced, the host
-code's plans (sequence lengths read from cu_seqlens, tensor caches) would be guarded on and recompiled
-for every batch pattern, and the kernel launches cannot be traced."""
+Under torch.compile the host code is never traced: its plans (sequence lengths read from cu_seqlens, tensor
+caches) would be guarded on and recompiled for every batch pattern, and the kernel launches cannot be traced.
+chunk_gated_delta_rule without a gradient to compute is one custom operator of the caller's graph
+(`torch.ops.flash_qla.chunk_gated_delta_rule`, _operator), which runs the eager call; with a gradient, and the
+low-level entry points, the call is a graph break (eager_only: torch.compiler.disable, as FLA's own entry point)
+and runs eagerly between the caller's graphs. They are no operators: what the forward keeps for the backward
+(checkpoints, a split's maps, kept states) and h depend on cu_seqlens' values, which an operator's shapes
+cannot."""
 
 import functools
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +19,7 @@ from flash_qla import tensor_cache
 from flash_qla.autograd import ChunkGatedDeltaRuleFunction
 from flash_qla.dispatch import _backward, _forward
 from flash_qla.tensor_cache import cache_last
-from flash_qla.validation import check_backward_inputs, check_inputs, check_options
+from flash_qla.validation import check_backward_inputs, check_inputs, check_options, check_shapes
 
 
 def eager_only(fn):
@@ -114,7 +119,6 @@ def _l2norm(x):
     return F.normalize(x.to(torch.promote_types(x.dtype, torch.float32)), dim=-1, eps=1e-6).to(x.dtype)
 
 
-@eager_only
 def chunk_gated_delta_rule(
     q,
     k,
@@ -208,8 +212,14 @@ def chunk_gated_delta_rule(
         (float64 for float64 inputs); None unless output_final_state.
 
     Differentiable in q, k, v, g, beta and initial_state; when none of them requires a
-    gradient (or grad mode is off) no autograd node is built.
+    gradient (or grad mode is off) no autograd node is built, and under torch.compile the call is
+    one operator of the caller's graph (the module docstring).
     """
+    if torch.compiler.is_compiling():  # torch.compile traces the caller
+        return _traced(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            state_v_first, auto_cp, head_first, keep_states,
+        )  # fmt: skip
     check_options(head_first)
     seqlens = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     if use_qk_l2norm_in_kernel:
@@ -227,6 +237,69 @@ def chunk_gated_delta_rule(
     else:  # nothing to differentiate: no autograd node, nothing saved for a backward, A in scratch
         _, _, o, _, final_state, _, _, _ = _forward(*args, False, seqlens, auto_cp, scratch=True)
     return _unpack(o, B, T), _state_out(final_state, state_v_first)
+
+
+_eager_call = torch.compiler.disable(chunk_gated_delta_rule)  # under torch.compile: a graph break, then the call
+
+
+def _traced(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first,
+    auto_cp, head_first, keep_states,
+):  # fmt: skip
+    """chunk_gated_delta_rule while torch.compile traces its caller: the operator where nothing is differentiable
+    and the arguments are what its schema takes (tensors, a Python scale, bools); else the eager call (a graph
+    break), whose validation then names whatever argument is wrong."""
+    tensors = (q, k, v, g, beta, *(x for x in (initial_state, cu_seqlens) if x is not None))
+    if (
+        all(isinstance(x, torch.Tensor) for x in tensors)
+        and (scale is None or type(scale) in (int, float))
+        and all(type(flag) is bool for flag in (use_qk_l2norm_in_kernel, state_v_first, auto_cp))
+        and not _differentiable(q, k, v, g, beta, initial_state)
+    ):
+        check_options(head_first)
+        o, final_state = _operator(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, state_v_first, auto_cp
+        )
+        return o, final_state if output_final_state else None
+    return _eager_call(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+        state_v_first, auto_cp, head_first, keep_states,
+    )  # fmt: skip
+
+
+# cudagraph_unsafe: the call's plan and chunk tables follow cu_seqlens' values, which a CUDA graph's replay would not
+# read again, so Inductor's CUDA graphs (mode="reduce-overhead") leave the operator out
+@torch.library.custom_op("flash_qla::chunk_gated_delta_rule", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _operator(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float],
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    use_qk_l2norm_in_kernel: bool,
+    state_v_first: bool,
+    auto_cp: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_gated_delta_rule without a gradient, as one operator of a torch.compile graph: o and final_state of the
+    eager call (final_state always: the kernels write it either way)."""
+    return chunk_gated_delta_rule(
+        q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, auto_cp
+    )
+
+
+@_operator.register_fake
+def _operator_outputs(
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, state_v_first, auto_cp
+):  # fmt: skip
+    """The operator's outputs as torch.compile traces it (no values): the checks that need none, then o [B, T, Hv, V]
+    in q's dtype and final_state [N, Hv, K, V] (a transposed view with state_v_first, as the call returns it)."""
+    check_shapes(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, values=False)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state = q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.promote_types(q.dtype, torch.float32))
+    return v.new_empty(v.shape), _state_out(state, state_v_first)
 
 
 @eager_only

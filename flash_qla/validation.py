@@ -1,8 +1,9 @@
 """Input checks for the public API: each failure names the argument, what was expected and what came.
 
-Only check_cu_seqlens reads tensor values (cu_seqlens, to the host: a device sync on GPU), and
+Only seqlens_of reads tensor values (cu_seqlens, to the host: a device sync on GPU), and
 it remembers the last tensor it passed, so the layers of one step that share a cu_seqlens
-tensor pay that sync once; every other check looks at shapes, dtypes and devices only, and
+tensor pay that sync once; every other check looks at shapes, dtypes and devices only (check_shapes
+without values: what a call that torch.compile traces can check, flash_qla.api's operator), and
 check_inputs remembers the last arguments it passed by those (their signature): the layers of
 a step repeat them, and the checks cost more host time than the signature (~13 against ~4 µs
 on the H200's host, benchmark/NOTES.md v25).
@@ -68,13 +69,16 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_fir
     Returns the sequence lengths as host ints: cu_seqlens' (seqlens_of), or B of T."""
     signature = _signature(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     if signature is None or signature != _passed["signature"]:  # else the same checks passed last time
-        _check_full(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+        check_shapes(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
         _passed["signature"] = signature
     B, T = q.shape[:2]
     return (T,) * B if cu_seqlens is None else seqlens_of(cu_seqlens, T)  # values: remembered per tensor
 
 
-def _check_full(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):
+def check_shapes(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, values=True):
+    """check_inputs' checks: types, shapes, dtypes, devices and, with values, cu_seqlens' values (before the
+    initial state's shape, which follows their count: a bad cu_seqlens is named as the cause). Without values
+    it reads nothing, for a call that torch.compile traces (flash_qla.api's operator)."""
     _check_tensor("q", q, ("B", "T", "Hqk", "K"))
     _check_tensor("k", k, ("B", "T", "Hqk", "K"))
     _check_tensor("v", v, ("B", "T", "Hv", "V"))
@@ -113,17 +117,15 @@ def _check_full(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_firs
     N = B
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, q)
+        if values:
+            seqlens_of(cu_seqlens, T)
         N = cu_seqlens.numel() - 1
     if initial_state is not None:
         check_state("initial_state", initial_state, q, N, Hv, K, V, state_v_first)
 
 
 def check_cu_seqlens(cu_seqlens, q):
-    """cu_seqlens [N + 1] int32/int64 on q's device, B == 1, 0 = c_0 <= c_1 <= ... <= c_N = T.
-
-    Reads the values to the host (a device sync on GPU) unless this very tensor, unmodified,
-    passed last time against the same T.
-    """
+    """cu_seqlens [N + 1] int32/int64 on q's device, B == 1; its values: seqlens_of."""
     _check_tensor("cu_seqlens", cu_seqlens, ("N + 1",))
     if cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
         raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
@@ -132,13 +134,13 @@ def check_cu_seqlens(cu_seqlens, q):
     if q.shape[0] != 1:
         raise ValueError(f"cu_seqlens: expected batch size B == 1 with packed sequences, got B = {q.shape[0]}")
     _check_device("cu_seqlens", cu_seqlens, q.device)
-    seqlens_of(cu_seqlens, q.shape[1])
 
 
 @cache_last
 def seqlens_of(cu_seqlens, T):
-    """The sequence lengths (a tuple) of a valid cu_seqlens for T tokens; raises a ValueError
-    naming cu_seqlens otherwise. Cached: after check_cu_seqlens passed this tensor, no sync."""
+    """The sequence lengths (a tuple) of a valid cu_seqlens for T tokens, 0 = c_0 <= c_1 <= ... <= c_N = T; raises
+    a ValueError naming cu_seqlens otherwise. Reads the values to the host (a device sync on GPU) unless this very
+    tensor, unmodified, passed last time against the same T."""
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
         shown = ", ".join(map(str, bounds[:16])) + (", ..." if len(bounds) > 16 else "")

@@ -1,6 +1,8 @@
 """The public API against the float64 token-by-token oracle, and the low-level tuples' definitions."""
 
+import dataclasses
 import math
+import re
 from fractions import Fraction
 
 import pytest
@@ -300,10 +302,10 @@ def test_release_scratch_empties_the_kept_buffers(monkeypatch):
 
 
 def test_compiled_callers_run_the_call_eagerly_without_recompiles():
-    """Under torch.compile each entry point is one graph break (api.eager_only): outputs and
-    gradients are the eager call's, bitwise, and new cu_seqlens values (same count of sequences) reuse
-    the caller's compiled graphs. Traced, the host code took 28 compiled frames at the first pattern and 47
-    after the fourth."""
+    """Under torch.compile, with a gradient to compute, each entry point is one graph break (the low-level ones by
+    api.eager_only): outputs and gradients are the eager call's, bitwise, and new cu_seqlens values (same count of
+    sequences) reuse the caller's compiled graphs. Traced, the host code took 28 compiled frames at the first pattern
+    and 47 after the fourth."""
     from torch._dynamo.testing import CompileCounter
 
     def step(q, k, v, g, beta, cu_seqlens):
@@ -327,6 +329,82 @@ def test_compiled_callers_run_the_call_eagerly_without_recompiles():
         assert all(torch.equal(got, want) for got, want in zip(*results)), lengths
         frames.append(counter.frame_count)
     assert frames[0] > 0 and frames[1:] == frames[:1] * 3, frames
+
+
+# Under torch.compile, a call without a gradient is one operator of the caller's graph: (case, options).
+TRACED = [
+    (VARLEN, {"state_v_first": True}),
+    (LAYOUTS[0], {"use_qk_l2norm_in_kernel": True, "scale": 0.5}),
+    (Case("varlen-1-63-64", lengths=(1, 63, 64), Hqk=2, Hv=2), {"auto_cp": False}),
+]
+
+
+def traced_graphs(graphs):
+    """A torch.compile backend that keeps each graph it gets and runs it as traced."""
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+@pytest.mark.parametrize("case, options", TRACED, ids=[case.id for case, _ in TRACED])
+def test_compiled_inference_is_one_operator_of_the_callers_graph(case, options):
+    """fullgraph=True holds (no graph break), the graph holds the operator once, the outputs are the eager call's
+    bitwise, and new cu_seqlens values (the same count) or a new h0 reuse the graph: no recompile."""
+
+    def step(q, k, v, g, beta, initial_state, cu_seqlens):
+        o, final_state = chunk_gated_delta_rule(
+            q * 2, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, output_final_state=True,
+            **options,
+        )  # fmt: skip
+        return o.sin(), final_state * 3
+
+    torch._dynamo.reset()
+    graphs = []
+    compiled = torch.compile(step, fullgraph=True, backend=traced_graphs(graphs))
+    for seed, lengths in enumerate((case.lengths, case.lengths and case.lengths[::-1])):
+        x = dataclasses.replace(case, lengths=lengths).inputs(torch.float32, seed=seed)
+        if options.get("state_v_first") and x["initial_state"] is not None:
+            x["initial_state"] = x["initial_state"].transpose(-1, -2)
+        with torch.no_grad():
+            got, want = compiled(**x), step(**x)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), seed
+        assert got[1].stride() == want[1].stride()
+    assert len(graphs) == 1
+    targets = [node.target for node in graphs[0].graph.nodes]
+    assert targets.count(torch.ops.flash_qla.chunk_gated_delta_rule.default) == 1
+
+
+@pytest.mark.parametrize("case, options", TRACED, ids=[case.id for case, _ in TRACED])
+def test_operator_passes_opcheck(case, options):
+    """The operator's schema, fake outputs (shapes, dtypes, strides) and dispatch agree with its eager run."""
+    x = case.inputs(torch.float32)
+    if options.get("state_v_first") and x["initial_state"] is not None:
+        x["initial_state"] = x["initial_state"].transpose(-1, -2)
+    args = (
+        *(x[name] for name in ("q", "k", "v", "g", "beta")), options.get("scale"), x["initial_state"],
+        x["cu_seqlens"], options.get("use_qk_l2norm_in_kernel", False), options.get("state_v_first", False),
+        options.get("auto_cp", True),
+    )  # fmt: skip
+    results = torch.library.opcheck(torch.ops.flash_qla.chunk_gated_delta_rule.default, args)
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_traced_operator_checks_shapes():
+    """Traced (fake tensors, no values), the operator raises validation's error naming the argument."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = VARLEN.inputs(torch.float32)
+    x["g"] = x["g"][..., :1]
+    with FakeTensorMode() as mode:
+        fake = {name: None if t is None else mode.from_tensor(t) for name, t in x.items()}
+        with pytest.raises(ValueError, match=re.escape("g: expected shape [B, T, Hv]")):
+            torch.ops.flash_qla.chunk_gated_delta_rule(
+                fake["q"], fake["k"], fake["v"], fake["g"], fake["beta"], None, fake["initial_state"],
+                fake["cu_seqlens"], False, False, True,
+            )  # fmt: skip
 
 
 # Low-level forward: shapes and dtypes, and h, A, g_cum checked against their definitions.

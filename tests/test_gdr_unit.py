@@ -718,6 +718,26 @@ def test_no_recompile_across_batch_shapes(monkeypatch):
     assert compiles == []
 
 
+@pytest.mark.parametrize("seqlens", [(200, 0, 1, 63, 65) * 2, (9000,)], ids=["opath", "split"])
+def test_compiled_inference_is_the_eager_call(seqlens):
+    """Under torch.compile (fullgraph) an inference call is the operator flash_qla::chunk_gated_delta_rule, which
+    runs the eager call: o and final_state bitwise the eager call's (2/8: on the O path, and walked in pieces)."""
+    x = make_inputs(1, sum(seqlens), 2, 8, 128, 128, device="cuda")
+    x["cu_seqlens"] = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+    def call(q, k, v, g, beta, cu_seqlens):
+        o, final_state = flash_qla.chunk_gated_delta_rule(
+            q, k, v, g, beta, cu_seqlens=cu_seqlens, output_final_state=True
+        )  # fmt: skip
+        return o * 2, final_state
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got, want = compiled(**x), call(**x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_unsupported_head_dim_raises():
     x = make_inputs(1, 64, 2, 2, 64, 64, device="cuda")
     with pytest.raises(ValueError, match="head dims"):

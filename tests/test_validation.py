@@ -240,8 +240,8 @@ def test_checks_run_once_per_signature(monkeypatch):
     from flash_qla import validation
 
     full_checks = []
-    check_full = validation._check_full
-    monkeypatch.setattr(validation, "_check_full", lambda *args: (full_checks.append(args), check_full(*args)))
+    check_shapes = validation.check_shapes
+    monkeypatch.setattr(validation, "check_shapes", lambda *args: (full_checks.append(args), check_shapes(*args)))
     monkeypatch.setitem(validation._passed, "signature", None)
     call_api(valid_inputs(varlen=True))
     call_api(valid_inputs(varlen=True))  # new tensors, the same signature

@@ -85,7 +85,7 @@ def launched(monkeypatch):
 
     def tracing(factory):
         def build(*args, **kwargs):
-            key = (args, tuple(kwargs.items()))
+            key = (factory, args, tuple(kwargs.items()))  # two factories may take the same arguments
             if key not in traced:
                 traced[key] = Launch(factory.__wrapped__(*args, **kwargs), names)
             return traced[key]
@@ -193,6 +193,16 @@ ROUTES = {
         options=dict(auto_cp=False),
         forward={"kkt_solve", "fused_fwd"},
         backward={"kkt_solve", "fused_fwd", "fused_fwd_wide", "fused_bwd_wide", "compose_maps", "chunk_grads"},
+    ),
+    # the backward's recompute and its split's end walk take the same factory arguments (fused_fwd_wide's and
+    # fused_bwd_wide's: a stand-in kept by arguments alone launched one for the other)
+    "low_level_split_backward_unequal": Route(
+        (64, 1, 64, 1, 1, 20000),
+        (2, 4),
+        torch.float16,
+        options=dict(output_h=True),
+        forward=FWD_SPLIT,
+        backward={"kkt_solve", "fused_fwd_wide", "fused_bwd_wide", "compose_maps", "chunk_grads"},
     ),
     "training_kept_states": Route(
         (1000,) * 8,

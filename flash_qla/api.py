@@ -2,12 +2,14 @@
 
 Under torch.compile the host code is never traced: its plans (sequence lengths read from cu_seqlens, tensor
 caches) would be guarded on and recompiled for every batch pattern, and the kernel launches cannot be traced.
-chunk_gated_delta_rule without a gradient to compute is one custom operator of the caller's graph
-(`torch.ops.flash_qla.chunk_gated_delta_rule`, _operator), which runs the eager call; with a gradient, and the
-low-level entry points, the call is a graph break (eager_only: torch.compiler.disable, as FLA's own entry point)
-and runs eagerly between the caller's graphs. They are no operators: what the forward keeps for the backward
-(checkpoints, a split's maps, kept states) and h depend on cu_seqlens' values, which an operator's shapes
-cannot."""
+chunk_gated_delta_rule is a custom operator of the caller's graph, which runs the eager call:
+- without a gradient to compute, `torch.ops.flash_qla.chunk_gated_delta_rule` (_operator);
+- with one, where `torch._dynamo.config.capture_dynamic_output_shape_ops` is on,
+  `torch.ops.flash_qla.chunk_gated_delta_rule_training` (_training_operator) and its backward operator: its outputs
+  include what the forward keeps for the backward (checkpoints, a split's maps, kept states), whose presence and
+  sizes follow cu_seqlens' values, which the graph learns at run time (the flag lets it).
+Else, and for the low-level entry points (h's size follows the values too), the call is a graph break (eager_only:
+torch.compiler.disable, as FLA's own entry point) and runs eagerly between the caller's graphs."""
 
 import functools
 from typing import Optional
@@ -16,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from flash_qla import tensor_cache
-from flash_qla.autograd import ChunkGatedDeltaRuleFunction
+from flash_qla.autograd import ChunkGatedDeltaRuleFunction, training_backward, training_forward
 from flash_qla.dispatch import _backward, _forward
 from flash_qla.tensor_cache import cache_last
-from flash_qla.validation import check_backward_inputs, check_inputs, check_options, check_shapes
+from flash_qla.validation import check_backward_inputs, check_inputs, check_options, check_shapes, seqlens_of
 
 
 def eager_only(fn):
@@ -212,8 +214,9 @@ def chunk_gated_delta_rule(
         (float64 for float64 inputs); None unless output_final_state.
 
     Differentiable in q, k, v, g, beta and initial_state; when none of them requires a
-    gradient (or grad mode is off) no autograd node is built, and under torch.compile the call is
-    one operator of the caller's graph (the module docstring).
+    gradient (or grad mode is off) no autograd node is built. Under torch.compile the call is
+    one operator of the caller's graph without a gradient to compute, and with one where
+    torch._dynamo.config.capture_dynamic_output_shape_ops is on; else a graph break (the module docstring).
     """
     if torch.compiler.is_compiling():  # torch.compile traces the caller
         return _traced(
@@ -246,25 +249,38 @@ def _traced(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first,
     auto_cp, head_first, keep_states,
 ):  # fmt: skip
-    """chunk_gated_delta_rule while torch.compile traces its caller: the operator where nothing is differentiable
-    and the arguments are what its schema takes (tensors, a Python scale, bools); else the eager call (a graph
-    break), whose validation then names whatever argument is wrong."""
+    """chunk_gated_delta_rule while torch.compile traces its caller: one operator where the arguments are what the
+    operators' schemas take (tensors, a Python scale, bools; keep_states None or a bool), _operator without a gradient
+    to compute, with one _training_operator (after the L2 norm, which autograd differentiates) where the graph may
+    hold outputs whose sizes follow input values (its saved ones: torch._dynamo.config.capture_dynamic_output_shape_ops;
+    without it dynamo would break the graph at the operator and run it, for ~75 µs more host time than the eager
+    call's autograd Function on the CPU machine: README). Else the eager call (a graph break), whose validation then
+    names whatever argument is wrong."""
     tensors = (q, k, v, g, beta, *(x for x in (initial_state, cu_seqlens) if x is not None))
-    if (
+    differentiable = _differentiable(q, k, v, g, beta, initial_state)
+    if not (
         all(isinstance(x, torch.Tensor) for x in tensors)
         and (scale is None or type(scale) in (int, float))
         and all(type(flag) is bool for flag in (use_qk_l2norm_in_kernel, state_v_first, auto_cp))
-        and not _differentiable(q, k, v, g, beta, initial_state)
+        and (keep_states is None or type(keep_states) is bool)
+        and (not differentiable or torch._dynamo.config.capture_dynamic_output_shape_ops)
     ):
-        check_options(head_first)
+        return _eager_call(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            state_v_first, auto_cp, head_first, keep_states,
+        )  # fmt: skip
+    check_options(head_first)
+    if not differentiable:
         o, final_state = _operator(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, state_v_first, auto_cp
         )
-        return o, final_state if output_final_state else None
-    return _eager_call(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-        state_v_first, auto_cp, head_first, keep_states,
-    )  # fmt: skip
+    else:
+        if use_qk_l2norm_in_kernel and q.is_floating_point() and k.is_floating_point():  # else the fake's error
+            q, k = _l2norm(q), _l2norm(k)
+        o, final_state, *_ = _training_operator(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, auto_cp, keep_states
+        )
+    return o, final_state if output_final_state else None
 
 
 # cudagraph_unsafe: the call's plan and chunk tables follow cu_seqlens' values, which a CUDA graph's replay would not
@@ -285,9 +301,12 @@ def _operator(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """chunk_gated_delta_rule without a gradient, as one operator of a torch.compile graph: o and final_state of the
     eager call (final_state always: the kernels write it either way)."""
-    return chunk_gated_delta_rule(
+    o, final_state = chunk_gated_delta_rule(
         q, k, v, g, beta, scale, initial_state, True, use_qk_l2norm_in_kernel, cu_seqlens, state_v_first, auto_cp
     )
+    # in the strides the fake gives them, as the kernels write them: o contiguous, final_state K-first in memory (a
+    # transposed view with state_v_first; the PyTorch path's follows initial_state's strides)
+    return o.contiguous(), _state_out(_state_out(final_state, state_v_first).contiguous(), state_v_first)
 
 
 @_operator.register_fake
@@ -300,6 +319,139 @@ def _operator_outputs(
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state = q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.promote_types(q.dtype, torch.float32))
     return v.new_empty(v.shape), _state_out(state, state_v_first)
+
+
+# What _training_operator returns beyond o and final_state: training_forward's `saved`, each with its dims, and its
+# dtype given q's (_saved_dtypes). Whether the forward keeps one, and its shape, follow the device (the PyTorch path
+# keeps g_cum and A, the GPU the others, checkpoints, D and states where its planner keeps them) and cu_seqlens' values
+# (checkpoints, D): one not kept is an empty tensor of its dims, and the fake gives every dim a size it does not know
+# while tracing (an unbacked SymInt), which the run then binds.
+_SAVED_DIMS = {
+    "g_cum": 3, "A": 4, "checkpoints": 4, "D": 4, "log_norms": 2, "P": 4, "gamma": 3, "gates": 4, "states": 4
+}  # fmt: skip
+
+
+def _saved_dtypes(dtype):
+    """The dtypes of _training_operator's saved outputs, in _SAVED_DIMS' order, for q's dtype."""
+    f32 = torch.float32
+    return torch.promote_types(dtype, f32), dtype, f32, torch.bfloat16, f32, dtype, f32, f32, dtype
+
+
+@torch.library.custom_op(
+    "flash_qla::chunk_gated_delta_rule_training", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)  # fmt: skip
+def _training_operator(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float],
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    state_v_first: bool,
+    auto_cp: bool,
+    keep_states: Optional[bool],
+) -> tuple[(torch.Tensor,) * (2 + len(_SAVED_DIMS))]:  # o, final_state, the saved
+    """chunk_gated_delta_rule with a gradient to compute (q and k L2-normalised before where asked) as one operator of
+    a torch.compile graph, differentiable (_training_gradients): o, final_state (always: the kernels write it either
+    way), then what the backward takes (_SAVED_DIMS), from the eager call's forward."""
+    seqlens = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    B, T = q.shape[:2]
+    o, final_state, saved = training_forward(
+        *_pack(q, k, v, g, beta), _default_scale(scale, q), _state_in(initial_state, state_v_first, q),
+        _packed_cu_seqlens(cu_seqlens, q), True, seqlens, auto_cp, keep_states,
+    )  # fmt: skip
+    saved = [
+        q.new_empty((0,) * dims, dtype=dtype) if x is None else x.contiguous()
+        for x, dims, dtype in zip(saved, _SAVED_DIMS.values(), _saved_dtypes(q.dtype))
+    ]
+    return _unpack(o, B, T).contiguous(), _state_out(final_state.contiguous(), state_v_first), *saved
+
+
+@_training_operator.register_fake
+def _training_outputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, auto_cp, keep_states):
+    """o and final_state as _operator's fake gives them, then the saved outputs: dims and dtypes, sizes unknown."""
+    o, final_state = _operator_outputs(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, False, state_v_first, auto_cp
+    )  # fmt: skip
+    ctx = torch.library.get_ctx()
+    saved = [
+        q.new_empty([ctx.new_dynamic_size() for _ in range(dims)], dtype=dtype)
+        for dims, dtype in zip(_SAVED_DIMS.values(), _saved_dtypes(q.dtype))
+    ]
+    return o, final_state, *saved
+
+
+def _keep_for_gradients(ctx, inputs, output):
+    """_training_operator's autograd context: its inputs and saved outputs (no gradient flows into those), and the
+    dtypes the gradients of g and initial_state come back in."""
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, auto_cp, _ = inputs
+    saved = output[2:]
+    ctx.save_for_backward(q, k, v, beta, initial_state, cu_seqlens, *saved)
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)  # as ChunkGatedDeltaRuleFunction: an unused output's gradient stays None
+    ctx.scale, ctx.state_v_first, ctx.auto_cp = scale, state_v_first, auto_cp
+    ctx.g_dtype = g.dtype
+    ctx.state_dtype = None if initial_state is None else initial_state.dtype
+
+
+def _training_gradients(ctx, do, dht, *_):
+    """Gradients of q, k, v, g, beta and initial_state (None for the options), by _training_backward_operator."""
+    q, k, v, beta, initial_state, cu_seqlens, *saved = ctx.saved_tensors
+    dq, dk, dv, dbeta, dg, dh0 = _training_backward_operator(
+        do, dht, q, k, v, beta, initial_state, cu_seqlens, ctx.scale, ctx.state_v_first, ctx.auto_cp, saved
+    )  # fmt: skip
+    dh0 = None if initial_state is None else dh0.to(ctx.state_dtype)
+    return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None, dh0, None, None, None, None
+
+
+@torch.library.custom_op(
+    "flash_qla::chunk_gated_delta_rule_training_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)  # fmt: skip
+def _training_backward_operator(
+    do: Optional[torch.Tensor],
+    dht: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    scale: Optional[float],
+    state_v_first: bool,
+    auto_cp: bool,
+    saved: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of _training_operator from its saved outputs: dq, dk, dv, dbeta in their inputs' shapes and
+    dtypes, dg [B, T, Hv] and dh0 (initial_state's layout; empty without one) in float32 (float64 for float64
+    inputs). do None: only final_state reached the loss; dht None: final_state did not."""
+    B, T = q.shape[:2]
+    seqlens = (T,) * B if cu_seqlens is None else seqlens_of(cu_seqlens, T)  # validated by the forward, remembered
+    q_, k_, v_, beta_ = _pack(q, k, v, beta)
+    grads = training_backward(
+        q_, k_, v_, beta_, _state_in(initial_state, state_v_first, q), _packed_cu_seqlens(cu_seqlens, q),
+        [None if x.numel() == 0 else x for x in saved], None if do is None else _pack(do)[0],
+        _state_in(dht, state_v_first, q), _default_scale(scale, q), seqlens, auto_cp,
+    )  # fmt: skip
+    *grads, dh0 = grads
+    dh0 = q.new_empty((0,) * 4, dtype=_saved_dtypes(q.dtype)[0]) if dh0 is None else dh0.contiguous()
+    return (*(_unpack(x, B, T).contiguous() for x in grads), _state_out(dh0, state_v_first))
+
+
+@_training_backward_operator.register_fake
+def _training_backward_outputs(do, dht, q, k, v, beta, initial_state, cu_seqlens, scale, state_v_first, auto_cp, saved):
+    """The gradients' shapes and dtypes (no values)."""
+    state = _saved_dtypes(q.dtype)[0]
+    if initial_state is None:
+        dh0 = q.new_empty((0,) * 4, dtype=state)
+    else:
+        dh0 = _state_out(q.new_empty((*initial_state.shape[:2], q.shape[3], v.shape[3]), dtype=state), state_v_first)
+    grads = (x.new_empty(x.shape) for x in (q, k, v, beta))
+    return (*grads, q.new_empty(beta.shape, dtype=state), dh0)
+
+
+_training_operator.register_autograd(_training_gradients, setup_context=_keep_for_gradients)
 
 
 @eager_only

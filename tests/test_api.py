@@ -302,9 +302,10 @@ def test_release_scratch_empties_the_kept_buffers(monkeypatch):
 
 
 def test_compiled_callers_run_the_call_eagerly_without_recompiles():
-    """Under torch.compile, with a gradient to compute, each entry point is one graph break (the low-level ones by
-    api.eager_only): outputs and gradients are the eager call's, bitwise, and new cu_seqlens values (same count of
-    sequences) reuse the caller's compiled graphs. Traced, the host code took 28 compiled frames at the first pattern
+    """Under torch.compile, with a gradient to compute (and torch._dynamo.config.capture_dynamic_output_shape_ops at
+    its default, off), each entry point is one graph break (the low-level ones by api.eager_only): outputs and
+    gradients are the eager call's, bitwise, and new cu_seqlens values (same count of sequences) reuse the caller's
+    compiled graphs. Traced, the host code took 28 compiled frames at the first pattern
     and 47 after the fourth."""
     from torch._dynamo.testing import CompileCounter
 
@@ -379,16 +380,90 @@ def test_compiled_inference_is_one_operator_of_the_callers_graph(case, options):
 
 @pytest.mark.parametrize("case, options", TRACED, ids=[case.id for case, _ in TRACED])
 def test_operator_passes_opcheck(case, options):
-    """The operator's schema, fake outputs (shapes, dtypes, strides) and dispatch agree with its eager run."""
+    """The operator's schema, fake outputs (shapes, dtypes, strides) and dispatch agree with its eager run. The
+    initial state is V-first in memory with state_v_first: the PyTorch path's final state would follow its strides,
+    where the fake's and the kernels' are K-first."""
     x = case.inputs(torch.float32)
     if options.get("state_v_first") and x["initial_state"] is not None:
-        x["initial_state"] = x["initial_state"].transpose(-1, -2)
+        x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
     args = (
         *(x[name] for name in ("q", "k", "v", "g", "beta")), options.get("scale"), x["initial_state"],
         x["cu_seqlens"], options.get("use_qk_l2norm_in_kernel", False), options.get("state_v_first", False),
         options.get("auto_cp", True),
     )  # fmt: skip
     results = torch.library.opcheck(torch.ops.flash_qla.chunk_gated_delta_rule.default, args)
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+# With a gradient to compute and capture_dynamic_output_shape_ops on, the call is one operator pair: (case, options).
+TRAINED = [
+    (VARLEN, {"state_v_first": True}),
+    (LAYOUTS[0], {"use_qk_l2norm_in_kernel": True, "scale": 0.5, "output_final_state": False}),
+    (Case("varlen-1-63-64", lengths=(1, 63, 64), Hqk=2, Hv=2), {"auto_cp": False, "keep_states": True}),
+]
+
+
+def trained_inputs(case, options, seed):
+    """case's float32 inputs, each a leaf requiring a gradient; the initial state in K-first memory (a transposed
+    view with state_v_first), as the kernels write states: the PyTorch path's state gradients follow its strides."""
+    x = case.inputs(torch.float32, seed=seed)
+    if options.get("state_v_first") and x["initial_state"] is not None:
+        x["initial_state"] = x["initial_state"].transpose(-1, -2)
+    for name in GRAD_INPUTS:
+        if x[name] is not None:
+            x[name].requires_grad_()
+    return x
+
+
+@pytest.mark.parametrize("backend", ["graph", "aot_eager"])
+@pytest.mark.parametrize("case, options", TRAINED, ids=[case.id for case, _ in TRAINED])
+def test_compiled_training_is_one_operator_pair_of_the_callers_graph(case, options, backend):
+    """With torch._dynamo.config.capture_dynamic_output_shape_ops on, fullgraph=True holds with a gradient to compute:
+    the graph holds the training operator once, outputs and every gradient are the eager call's, bitwise (the
+    operator's backward run by autograd, or by AOTAutograd's backward graph), and new cu_seqlens values (the same
+    count) reuse the graph. A loss without final_state gives the backward none (output_final_state=False)."""
+    call_options = {"output_final_state": True, **options}
+
+    def step(q, k, v, g, beta, initial_state, cu_seqlens):
+        o, final_state = chunk_gated_delta_rule(
+            q * 2, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, **call_options
+        )  # fmt: skip
+        return (o.sin(),) if final_state is None else (o.sin(), final_state * 3)
+
+    torch._dynamo.reset()
+    graphs = []
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(
+            step, fullgraph=True, backend=traced_graphs(graphs) if backend == "graph" else backend
+        )  # fmt: skip
+        for seed, lengths in enumerate((case.lengths, case.lengths and case.lengths[::-1])):
+            case_now = dataclasses.replace(case, lengths=lengths)
+            results = []
+            for fn in (compiled, step):
+                x = trained_inputs(case_now, options, seed)
+                outputs = fn(**x)
+                leaves = [x[name] for name in GRAD_INPUTS if x[name] is not None]
+                cotangents = [randn_like(t, seed=i) for i, t in enumerate(outputs)]
+                results.append((*outputs, *torch.autograd.grad(outputs, leaves, cotangents)))
+            assert all(torch.equal(got, want) for got, want in zip(*results)), seed
+    if backend == "graph":
+        assert len(graphs) == 1
+        targets = [node.target for node in graphs[0].graph.nodes]
+        assert targets.count(torch.ops.flash_qla.chunk_gated_delta_rule_training.default) == 1
+
+
+@pytest.mark.parametrize("case, options", TRAINED, ids=[case.id for case, _ in TRAINED])
+def test_training_operator_passes_opcheck(case, options):
+    """The training operator's schema, fake outputs, autograd registration and AOT dispatch (its backward operator
+    included) agree with its eager run; the initial state V-first in memory with state_v_first, as above."""
+    x = trained_inputs(case, options, seed=0)
+    if options.get("state_v_first") and x["initial_state"] is not None:
+        x["initial_state"] = x["initial_state"].detach().contiguous().requires_grad_()
+    args = (
+        *(x[name] for name in ("q", "k", "v", "g", "beta")), options.get("scale"), x["initial_state"],
+        x["cu_seqlens"], options.get("state_v_first", False), options.get("auto_cp", True), options.get("keep_states"),
+    )  # fmt: skip
+    results = torch.library.opcheck(torch.ops.flash_qla.chunk_gated_delta_rule_training.default, args)
     assert set(results.values()) == {"SUCCESS"}, results
 
 

@@ -33,6 +33,8 @@ write fails the check):
 - test_cuda_graph_replays_the_eager_results: a training step (whole, and with the split forced),
   and the low-level forward and backward, captured in a CUDA graph (the backward's second stream,
   and the split forward's, join the capture) and replayed on new inputs give the eager results bitwise.
+- test_compiled_training_is_the_eager_step: under torch.compile (fullgraph, capture_dynamic_output_shape_ops), the
+  training operator pair gives bitwise the eager step's outputs and gradients.
 - test_training_matches_reference: a tiny GatedDeltaNet layer trained with the kernels and with the
   reference on the GPU reaches the same loss, and the loss goes down.
 """
@@ -732,6 +734,34 @@ def teacher_data(seqlens=TRAIN_SEQLENS, hidden=256, device="cuda"):
     with torch.no_grad():
         target = teacher(x, cu_seqlens, reference_gdr)
     return x, cu_seqlens, target
+
+
+@pytest.mark.parametrize("case_id", ["varlen_edges_h0", "long_T32768_weak_gate"])
+def test_compiled_training_is_the_eager_step(case_id, poisoned):
+    """Under torch.compile (fullgraph=True) with capture_dynamic_output_shape_ops on, a training call is the operator
+    pair flash_qla::chunk_gated_delta_rule_training(_backward), which run the eager step's forward and backward: o,
+    final_state and every gradient bitwise the eager step's (4/8 varlen edges with kept states; 2/8 one sequence of
+    32768, walked in pieces whose maps and start states the backward operator takes)."""
+    case = next(c for c in CASES if c.id == case_id)
+    seed = zlib.crc32(f"compiled_{case_id}".encode())
+    x, cu, h0 = case_inputs(case, seed)
+
+    def step(q, k, v, g, beta, initial_state):
+        o, final_state = flash_qla.chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu, output_final_state=True
+        )  # fmt: skip
+        return o * 2, final_state
+
+    torch._dynamo.reset()
+    results = []
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        for fn in (compiled, step):
+            leaves = {name: t.detach().clone().requires_grad_() for name, t in {**x, "initial_state": h0}.items()}
+            outputs = fn(**leaves)
+            upstream = [_randn(t.shape, t.dtype, seed + i) for i, t in enumerate(outputs)]
+            results.append((*outputs, *torch.autograd.grad(outputs, list(leaves.values()), upstream)))
+    assert all(torch.equal(got, want) for got, want in zip(*results))
 
 
 def test_training_matches_reference(poisoned):

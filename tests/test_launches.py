@@ -312,6 +312,42 @@ def gpu_route(launched, monkeypatch):
     return launched
 
 
+# training routes through torch.compile's training operators: what the forward keeps for the backward on each
+TRAINED = {
+    "training_kept_states": ("A", "P", "gamma", "gates", "states"),
+    "training_checkpoints": ("A", "checkpoints", "P", "gamma", "gates"),
+    "training_split": ("A", "D", "log_norms", "P", "gamma", "gates", "states"),
+    "training_split_recompute": ("A", "checkpoints", "D", "log_norms", "P", "gamma", "gates"),
+}
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_training_operators_on_the_gpu_route(gpu_route, monkeypatch, name):
+    """flash_qla.api's training operator pair (torch.compile's, with capture_dynamic_output_shape_ops) along a route
+    of the GPU's host code: each saved output comes in the dims and dtype the operator's fake gives it (a compiled run
+    binds the fake's sizes to it), kept where the route keeps it; the backward operator launches every kernel as its
+    signature takes it, the route's kernels, and returns each gradient in its input's shape and dtype."""
+    route = ROUTES[name]
+    for planned, decision in route.planner.items():
+        monkeypatch.setattr(forward, planned, lambda *args, decision=decision, **kwargs: decision)
+    q, k, v, g, beta, scale, h0, cu = packed_inputs(
+        route.seqlens, *route.heads, route.dtype, route.h0, route.beta_dtype
+    )
+    o, final_state, *saved = torch.ops.flash_qla.chunk_gated_delta_rule_training(
+        q, k, v, g, beta, scale, h0, cu, False, True, route.options.get("keep_states")
+    )  # fmt: skip
+    assert set(gpu_route) == route.forward and o.shape == v.shape
+    assert [(x.dim(), x.dtype) for x in saved] == list(zip(api._SAVED_DIMS.values(), api._saved_dtypes(q.dtype)))
+    assert tuple(kept for kept, x in zip(api._SAVED_DIMS, saved) if x.numel()) == TRAINED[name]
+    del gpu_route[:]
+    grads = torch.ops.flash_qla.chunk_gated_delta_rule_training_backward(
+        torch.zeros_like(o), torch.zeros_like(final_state), q, k, v, beta, h0, cu, scale, False, True, saved
+    )  # fmt: skip
+    assert set(gpu_route) == route.backward, gpu_route
+    inputs = (q, k, v, beta, g, *(() if h0 is None else (h0,)))
+    assert [(x.shape, x.dtype) for x in grads[: len(inputs)]] == [(x.shape, x.dtype) for x in inputs]
+
+
 @pytest.mark.parametrize("B,layout", [(2, None), (2, "fused"), (1, "batch_stride"), (2, "offset")])
 def test_training_through_the_public_api(gpu_route, B, layout):
     """chunk_gated_delta_rule over a dense batch (of two: one reshape packs each input), with a learnable initial

@@ -2,7 +2,7 @@
 
 Everything that depends only on one chunk (the cumulated gate, A, w, u) is computed for all
 chunks at once; only the state update loops over chunk positions, all sequences together.
-The backward recomputes the forward and differentiates it with autograd.
+The backward recomputes the forward and differentiates it (torch.func.vjp).
 """
 
 import torch
@@ -54,8 +54,9 @@ def chunk_local_cumsum(g, cu_seqlens=None, reverse=False):
     return layout.scatter(x)
 
 
-def _forward_from_gcum(q, k, v, g_cum, beta, scale, initial_state, cu_seqlens):
-    """Differentiable core of the forward; inputs as for chunk_gated_delta_rule_fwd_ref, g cumulated.
+def _forward_from_gcum(q, k, v, g_cum, beta, scale, initial_state, cu_seqlens, layout=None):
+    """Differentiable core of the forward; inputs as for chunk_gated_delta_rule_fwd_ref, g cumulated; layout:
+    cu_seqlens' _ChunkLayout when made already (it reads cu_seqlens' values).
 
     Returns A [B, T, Hv, C], o [B, T, Hv, V], h [NT, Hv, K, V] and the final state [N, Hv, K, V],
     all in the compute dtype.
@@ -63,7 +64,7 @@ def _forward_from_gcum(q, k, v, g_cum, beta, scale, initial_state, cu_seqlens):
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[-2:]
     dtype = torch.promote_types(q.dtype, torch.float32)
-    layout = _ChunkLayout(B, T, cu_seqlens, q.device)
+    layout = _ChunkLayout(B, T, cu_seqlens, q.device) if layout is None else layout
     group = Hv // Hqk
     q, k = (layout.gather(x.to(dtype).repeat_interleave(group, dim=2)) for x in (q, k))  # [N, NC, Hv, C, K]
     v, gamma, beta = (layout.gather(x.to(dtype)) for x in (v, g_cum, beta))  # [N, NC, Hv, C(, V)]
@@ -142,7 +143,7 @@ def chunk_gated_delta_rule_fwd_ref(
 def chunk_gated_delta_rule_bwd_ref(
     q, k, v, g_cum, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None
 ):
-    """Backward by recomputing the chunked forward from g_cum and running autograd through it.
+    """Backward by recomputing the chunked forward from g_cum and differentiating it (torch.func.vjp).
 
     Parameters are those of chunk_gated_delta_rule_fwd_ref, with the forward's g_cum in place of
     g, plus do [B, T, Hv, V] and dht [N, Hv, K, V] (optional), the gradients of o and final_state.
@@ -154,17 +155,21 @@ def chunk_gated_delta_rule_bwd_ref(
         chunk-local cumsum of the gradient w.r.t. g_cum); dh0 is None without initial_state.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    inputs = [x.detach().requires_grad_() for x in (q, k, v, g_cum, beta)]
-    h0 = None if initial_state is None else initial_state.detach().requires_grad_()
-    with torch.enable_grad():
-        _, o, _, final_state = _forward_from_gcum(*inputs, scale, h0, cu_seqlens)
-        outputs, grad_outputs = [o], [do.to(o.dtype)]
-        if dht is not None:
-            outputs.append(final_state)
-            grad_outputs.append(dht.to(final_state.dtype))
-        if h0 is not None:
-            inputs.append(h0)
-        grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True, materialize_grads=True)
+
+    layout = _ChunkLayout(*q.shape[:2], cu_seqlens, q.device)
+
+    def outputs(q, k, v, g_cum, beta, *h0):
+        _, o, _, final_state = _forward_from_gcum(
+            q, k, v, g_cum, beta, scale, h0[0] if h0 else None, cu_seqlens, layout
+        )  # fmt: skip
+        return (o,) if dht is None else (o, final_state)
+
+    # torch.func.vjp rather than autograd.grad: it differentiates inside a custom operator's run too, where autograd
+    # does not record (flash_qla.api's training operators); the layout outside it, where a tensor's values can be read
+    primals = (q, k, v, g_cum, beta, *(() if initial_state is None else (initial_state,)))
+    results, vjp = torch.func.vjp(outputs, *(x.detach() for x in primals))
+    cotangents = (do.to(results[0].dtype),) if dht is None else (do.to(results[0].dtype), dht.to(results[1].dtype))
+    grads = vjp(cotangents)
     dq, dk, dv, dg_cum, dbeta = grads[:5]
     dg = chunk_local_cumsum(dg_cum, cu_seqlens, reverse=True)
-    return dq, dk, dv, dbeta, dg, (grads[5] if h0 is not None else None)
+    return dq, dk, dv, dbeta, dg, (grads[5] if initial_state is not None else None)

@@ -321,20 +321,17 @@ def _operator_outputs(
     return v.new_empty(v.shape), _state_out(state, state_v_first)
 
 
-# What _training_operator returns beyond o and final_state: training_forward's `saved`, each with its dims, and its
-# dtype given q's (_saved_dtypes). Whether the forward keeps one, and its shape, follow the device (the PyTorch path
-# keeps g_cum and A, the GPU the others, checkpoints, D and states where its planner keeps them) and cu_seqlens' values
-# (checkpoints, D): one not kept is an empty tensor of its dims, and the fake gives every dim a size it does not know
-# while tracing (an unbacked SymInt), which the run then binds.
-_SAVED_DIMS = {
-    "g_cum": 3, "A": 4, "checkpoints": 4, "D": 4, "log_norms": 2, "P": 4, "gamma": 3, "gates": 4, "states": 4
-}  # fmt: skip
-
-
-def _saved_dtypes(dtype):
-    """The dtypes of _training_operator's saved outputs, in _SAVED_DIMS' order, for q's dtype."""
-    f32 = torch.float32
-    return torch.promote_types(dtype, f32), dtype, f32, torch.bfloat16, f32, dtype, f32, f32, dtype
+def _saved_specs(dtype):
+    """{name: (dims, dtype)} of what _training_operator returns beyond o and final_state, training_forward's `saved` in
+    its order, for q's dtype. Whether the forward keeps one, and its shape, follow the device (the PyTorch path keeps
+    g_cum and A, the GPU the others, checkpoints, D and states where its planner keeps them) and cu_seqlens' values
+    (checkpoints, D): one not kept is an empty tensor of its dims and dtype, and the fake gives every dim a size it
+    does not know while tracing (an unbacked SymInt), which the run then binds."""
+    f32, state = torch.float32, torch.promote_types(dtype, torch.float32)
+    return {
+        "g_cum": (3, state), "A": (4, dtype), "checkpoints": (4, f32), "D": (4, torch.bfloat16), "log_norms": (2, f32),
+        "P": (4, dtype), "gamma": (3, f32), "gates": (4, f32), "states": (4, dtype),
+    }  # fmt: skip
 
 
 @torch.library.custom_op(
@@ -352,10 +349,10 @@ def _training_operator(
     state_v_first: bool,
     auto_cp: bool,
     keep_states: Optional[bool],
-) -> tuple[(torch.Tensor,) * (2 + len(_SAVED_DIMS))]:  # o, final_state, the saved
+) -> tuple[(torch.Tensor,) * 11]:  # o, final_state and the nine of _saved_specs
     """chunk_gated_delta_rule with a gradient to compute (q and k L2-normalised before where asked) as one operator of
     a torch.compile graph, differentiable (_training_gradients): o, final_state (always: the kernels write it either
-    way), then what the backward takes (_SAVED_DIMS), from the eager call's forward."""
+    way), then what the backward takes (_saved_specs), from the eager call's forward."""
     seqlens = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     B, T = q.shape[:2]
     o, final_state, saved = training_forward(
@@ -364,7 +361,7 @@ def _training_operator(
     )  # fmt: skip
     saved = [
         q.new_empty((0,) * dims, dtype=dtype) if x is None else x.contiguous()
-        for x, dims, dtype in zip(saved, _SAVED_DIMS.values(), _saved_dtypes(q.dtype))
+        for x, (dims, dtype) in zip(saved, _saved_specs(q.dtype).values())
     ]
     return _unpack(o, B, T).contiguous(), _state_out(final_state.contiguous(), state_v_first), *saved
 
@@ -378,7 +375,7 @@ def _training_outputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_
     ctx = torch.library.get_ctx()
     saved = [
         q.new_empty([ctx.new_dynamic_size() for _ in range(dims)], dtype=dtype)
-        for dims, dtype in zip(_SAVED_DIMS.values(), _saved_dtypes(q.dtype))
+        for dims, dtype in _saved_specs(q.dtype).values()
     ]
     return o, final_state, *saved
 
@@ -435,14 +432,14 @@ def _training_backward_operator(
         _state_in(dht, state_v_first, q), _default_scale(scale, q), seqlens, auto_cp,
     )  # fmt: skip
     *grads, dh0 = grads
-    dh0 = q.new_empty((0,) * 4, dtype=_saved_dtypes(q.dtype)[0]) if dh0 is None else dh0.contiguous()
+    dh0 = q.new_empty((0,) * 4, dtype=torch.promote_types(q.dtype, torch.float32)) if dh0 is None else dh0.contiguous()
     return (*(_unpack(x, B, T).contiguous() for x in grads), _state_out(dh0, state_v_first))
 
 
 @_training_backward_operator.register_fake
 def _training_backward_outputs(do, dht, q, k, v, beta, initial_state, cu_seqlens, scale, state_v_first, auto_cp, saved):
     """The gradients' shapes and dtypes (no values)."""
-    state = _saved_dtypes(q.dtype)[0]
+    state = torch.promote_types(q.dtype, torch.float32)
     if initial_state is None:
         dh0 = q.new_empty((0,) * 4, dtype=state)
     else:

@@ -337,8 +337,9 @@ def test_training_operators_on_the_gpu_route(gpu_route, monkeypatch, name):
         q, k, v, g, beta, scale, h0, cu, False, True, route.options.get("keep_states")
     )  # fmt: skip
     assert set(gpu_route) == route.forward and o.shape == v.shape
-    assert [(x.dim(), x.dtype) for x in saved] == list(zip(api._SAVED_DIMS.values(), api._saved_dtypes(q.dtype)))
-    assert tuple(kept for kept, x in zip(api._SAVED_DIMS, saved) if x.numel()) == TRAINED[name]
+    specs = api._saved_specs(q.dtype)
+    assert [(x.dim(), x.dtype) for x in saved] == list(specs.values())
+    assert tuple(kept for kept, x in zip(specs, saved) if x.numel()) == TRAINED[name]
     del gpu_route[:]
     grads = torch.ops.flash_qla.chunk_gated_delta_rule_training_backward(
         torch.zeros_like(o), torch.zeros_like(final_state), q, k, v, beta, h0, cu, scale, False, True, saved

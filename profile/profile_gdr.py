@@ -1,6 +1,6 @@
 """Where the time goes: flash_qla's and FLA's kernels, one line per kernel, on the GPU.
 
-    python profile/profile_gdr.py --set develop [--skip-bwd] [--skip-fla]
+    python profile/profile_gdr.py --set develop|bars|misses [--skip-bwd] [--skip-fla]
 
 Runs each implementation --iters times under torch.profiler and prints, per config, every
 GPU kernel with its mean time per call and share of the kernels' summed time (two streams' kernels
@@ -36,6 +36,9 @@ SETS = {
     "single": [("16/32", [32768])],
     # the bars' layouts, one and eight sequences (2/8 and 4/16 at 32768 tokens walk split)
     "bars": [("16/32", [32768]), ("16/32", [4096] * 8), ("4/16", [32768]), ("2/8", [32768]), ("2/8", [4096] * 8)],
+    # the forward's multi-sequence configs below its 3x bar (README, Where the bars stand)
+    "misses": [("16/32", [28672, 4096]), ("16/16", [16384] * 2), ("4/16", [16384] * 2), ("2/8", [8192] * 4),
+               ("2/8", [1024] * 8)],  # fmt: skip
 }
 
 

@@ -80,7 +80,14 @@ def profile_config(heads, seqlens, skip_bwd, skip_fla, iters):
     gen = torch.Generator(device="cuda").manual_seed(1)
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(x["v"].dtype)
     dht = torch.randn(len(seqlens), Hv, 128, 128, generator=gen, device="cuda")
-    print(f"{heads} seqlens {len(seqlens)}x{seqlens[0]}" if len(set(seqlens)) == 1 else f"{heads} {seqlens}")
+    # the benchmark's labels (parse_seqs): 1x32768, 4096x8 (length x count), 28672+4096
+    if len(seqlens) == 1:
+        label = f"1x{seqlens[0]}"
+    elif len(set(seqlens)) == 1:
+        label = f"{seqlens[0]}x{len(seqlens)}"
+    else:
+        label = "+".join(map(str, seqlens))
+    print(f"{heads} {label}")
     for name, fn in impls.items():
         cu_arg = cu.long() if name == "fla" else cu
 

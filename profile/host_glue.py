@@ -14,10 +14,11 @@ kernels and the sync (README, Benchmark): this is the part a change to the Pytho
 
 `--mode train` times a training step instead: an op of the caller's (g scaled), the call, and
 torch.autograd.grad of o w.r.t. q, k, v, g and beta; µs a step, run eagerly (the autograd Function). With
-`--compile` also the step under torch.compile (backend aot_eager, the kernels' stand-ins being opaque to
-Inductor anyway) both ways the library offers (README, torch.compile): with
-`capture_dynamic_output_shape_ops` (the training operator pair, fullgraph) and without it (a graph break at
-the call, the Function run eagerly between two graphs).
+`--compile` also the step under torch.compile (backend aot_eager: the graphs' ops run eagerly, so what the
+steps differ by is the graphs' and the library's host work, not generated code), both ways the library offers
+(README, torch.compile): with `capture_dynamic_output_shape_ops` (the training operator pair, fullgraph; the flag
+set around each block of steps, as a user sets it once) and without it (a graph break at the call, the Function run
+eagerly between two graphs).
 
 Compare two trees on the same machine, interleaved.
 """
@@ -100,24 +101,26 @@ def measure(call, stamps, calls, rounds):
     return statistics.median(first), statistics.median(last), statistics.median(whole)
 
 
-def mean_times(calls, n, rounds):
-    """{name: µs a call} of each of `calls` ({name: fn}), the median over rounds of its mean over n calls, the
-    callables interleaved within each round."""
-    times = {name: [] for name in calls}
+def mean_step_times(steps, n, rounds):
+    """{name: µs a step} of each of `steps` ({name: (capture, step)}), the median over rounds of its mean over n
+    steps, the steps interleaved by blocks of n within each round; each block runs with dynamo's
+    capture_dynamic_output_shape_ops set to its capture, as a user sets it once for a whole run."""
+    times = {name: [] for name in steps}
     for _ in range(rounds):
-        for name, call in calls.items():
-            for _ in range(n // 10):
-                call()
-            start = time.perf_counter_ns()
-            for _ in range(n):
-                call()
-            times[name].append((time.perf_counter_ns() - start) / n / 1e3)
+        for name, (capture, step) in steps.items():
+            with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
+                for _ in range(n // 10):
+                    step()
+                start = time.perf_counter_ns()
+                for _ in range(n):
+                    step()
+                times[name].append((time.perf_counter_ns() - start) / n / 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
 def training_steps(q, k, v, g, beta, cu, compile_too):
-    """{name: a training step}: eager, and with compile_too under torch.compile with the operator pair and with the
-    graph break (each run under the dynamo setting it was compiled with)."""
+    """{name: (capture_dynamic_output_shape_ops, a training step)}: eager, and with compile_too under torch.compile
+    with the operator pair (the flag on) and with the graph break (off, the default)."""
     for x in (q, k, v, g, beta):
         x.requires_grad_()
     do = torch.randn_like(v)
@@ -126,16 +129,13 @@ def training_steps(q, k, v, g, beta, cu, compile_too):
         o, _ = flash_qla.chunk_gated_delta_rule(q, k, v, g * 1.01, beta, cu_seqlens=cu)
         return o
 
-    def run(fn, capture=False):
-        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
-            return torch.autograd.grad(fn(q, k, v, g, beta), (q, k, v, g, beta), do)
+    def run(fn):
+        return lambda: torch.autograd.grad(fn(q, k, v, g, beta), (q, k, v, g, beta), do)
 
-    steps = {"eager": lambda: run(step)}
+    steps = {"eager": (False, run(step))}
     if compile_too:
-        pair = torch.compile(step, fullgraph=True, backend="aot_eager")
-        graph_break = torch.compile(step, backend="aot_eager")
-        steps["compiled, operator pair"] = lambda: run(pair, capture=True)
-        steps["compiled, graph break"] = lambda: run(graph_break)
+        steps["compiled, operator pair"] = (True, run(torch.compile(step, fullgraph=True, backend="aot_eager")))
+        steps["compiled, graph break"] = (False, run(torch.compile(step, backend="aot_eager")))
     return steps
 
 
@@ -166,12 +166,13 @@ def main():
     if args.mode == "train":
         steps = training_steps(q, k, v, g, beta, cu, args.compile)
         launches = {}
-        for name, step in steps.items():  # each step's launches, counted (its compile, if any, done first)
-            step()
-            stamps.clear()
-            step()
+        for name, (capture, step) in steps.items():  # each step's launches, counted (its compile, if any, first)
+            with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
+                step()
+                stamps.clear()
+                step()
             launches[name] = len(stamps)
-        times = mean_times(steps, args.calls or 500, args.rounds)
+        times = mean_step_times(steps, args.calls or 500, args.rounds)
         print(f"{args.heads} {args.seqs}, training step, µs a step (launches): "
               + ", ".join(f"{name} {t:.1f} ({launches[name]})" for name, t in times.items()))  # fmt: skip
         return

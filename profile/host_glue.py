@@ -6,11 +6,12 @@ CPU tensors take the GPU route (flash_qla.ops.forward, backward) with the kernel
 time and does nothing, the streams and the device's profile are stand-ins (a route that splits works too).
 
 `--mode infer` (the default) prints, in µs a call (the median over rounds of each round's mean), the time from the
-call to kkt_solve's launch, to the walk's launch (the last launch) and to the return. What it leaves out is what
-only the GPU's host has: the launches themselves (TileLang's TVM-FFI calls), CUDA's allocations (the buffers here
-are the CPU's: for large calls, whose buffers are too large to keep as scratch, far slower than CUDA's caching
-allocator), stream queries. On the H200 a call's latency is that host work up to the first launch, then the
-kernels and the sync (README, Benchmark): this is the part a change to the Python moves, measurable on any machine.
+call to kkt_solve's launch, to the walk's launch (the last launch) and to the return, and the launches a call makes.
+What it leaves out is what only the GPU's host has: the launches themselves (TileLang's TVM-FFI calls), CUDA's
+allocations (the buffers here are the CPU's: for large calls, whose buffers are too large to keep as scratch, far
+slower than CUDA's caching allocator), stream queries. On the H200 a call's latency is that host work up to the
+first launch, then the kernels and the sync (README, Benchmark): this is the part a change to the Python moves,
+measurable on any machine.
 
 `--mode train` times a training step instead: an op of the caller's (g scaled), the call, and
 torch.autograd.grad of o w.r.t. q, k, v, g and beta; µs a step, run eagerly (the autograd Function). With
@@ -184,7 +185,7 @@ def main():
             args.rounds,
         )
     print(f"{args.heads} {args.seqs}, inference, µs a call: to kkt_solve's launch {first:.2f}, to the last launch "
-          f"{last:.2f}, to the return {whole:.2f}")  # fmt: skip
+          f"{last:.2f}, to the return {whole:.2f} ({len(stamps)} launches)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -26,10 +26,17 @@ def run_host_glue(*args):
     return done.stdout
 
 
-@pytest.mark.parametrize("seqs", ["1x2048", "16384+16384"])  # a walk whole; a split (maps, composition, pieces)
-def test_inference_call_reaches_its_launches(seqs):
+@pytest.mark.parametrize(
+    "seqs, launches",
+    [
+        ("1x2048", 2),  # kkt_solve, the walk
+        ("16384+16384", 5),  # split: kkt_solve, the map and offsets walks, compose_maps, the walk over the pieces
+    ],
+)
+def test_inference_call_reaches_its_launches(seqs, launches):
     out = run_host_glue("--heads", "2/8", "--seqs", seqs)
-    assert re.search(r"to kkt_solve's launch [\d.]+, to the last launch [\d.]+, to the return [\d.]+", out), out
+    found = re.search(r"to the return [\d.]+ \((\d+) launches\)", out)
+    assert found and int(found.group(1)) == launches, out
 
 
 @pytest.mark.parametrize(

@@ -610,6 +610,61 @@ def test_kkt_backward_mode_gives_the_forward_modes_terms(beta_dtype):
     assert bwd["A"].isnan().all() and bwd["g_cum"].isnan().all(), "the backward mode wrote A or g_cum"
 
 
+# kkt_solve's A = (I + M)⁻¹ diag(β) of each chunk against float64's inverse of the same M (from the same rounded k,
+# β and the kernel's γ): the solve in fp32 (3xTF32 merges) keeps ~2⁻²¹ of its terms, so A's one rounding to the input
+# dtype is what remains, ~1.7e-3 relative L2 in bf16 (benchmark/NOTES.md v35), finer in fp16
+INVERSE_TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
+INVERSE_CASES = [  # (Hqk, Hv), seqlens, dtype, gate, FORM_P
+    ((2, 8), (1, 63, 64, 65, 130, 700, 0), torch.bfloat16, "model", True),
+    ((2, 8), (1, 63, 64, 65, 130, 700, 0), torch.float16, "strong", False),
+    ((16, 32), (3000,), torch.bfloat16, "weak", True),
+    ((16, 32), (129, 2000), torch.float16, "model", True),
+]
+
+
+@pytest.mark.parametrize(
+    "heads,seqlens,dtype,gate,form_p", INVERSE_CASES,
+    ids=[f"{h}_{len(s)}seqs_{str(d)[6:]}_{g}_{'P' if p else 'noP'}" for (_, h), s, d, g, p in INVERSE_CASES],
+)
+def test_kkt_solve_inverts_each_chunk(heads, seqlens, dtype, gate, form_p):
+    """A from kkt_solve (forward mode, with and without P) against float64's (I + M)⁻¹ diag(β) chunk by chunk, with
+    M = StrictLower(diag(β) K Kᵀ ⊙ Γ); columns past each row (and the chunk's end) exactly 0; three more launches
+    bitwise the same (the solve's blocks of 8 and 16 synchronise within a warp or a pair of warps: a missing
+    barrier would show as a difference between launches or against float64)."""
+    from flash_qla.arch import get_profile
+    from flash_qla.ops.chunks import chunk_table
+    from flash_qla.ops.kkt_solve import kkt_solve_kernel
+
+    (Hqk, Hv), C = heads, 64
+    T, slots = sum(seqlens), sum(seqlens) // C + len(seqlens)
+    x, cu, _ = case_inputs(Case("kkt_inverse", seqlens, heads=heads, dtype=dtype, gate=gate), seed=17)
+    q, k, g, beta = x["q"].contiguous(), x["k"].contiguous(), x["g"].float().contiguous(), x["beta"].contiguous()
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    kkt = kkt_solve_kernel(Hqk, Hv, 128, name, get_profile(q.device), name, FORM_P=form_p)
+    nan = float("nan")
+    g_cum, gamma, gates = (torch.full(s, nan, device="cuda") for s in ((1, T, Hv), (Hv, slots, C), (Hv, slots, 2, C)))
+    As = [torch.full((1, T, Hv, C), nan, dtype=dtype, device="cuda") for _ in range(2)]
+    table = chunk_table(cu, C, slots)
+    for A in (As[0], As[1], As[1], As[1]):
+        if form_p:
+            P, log_norms = torch.full_like(A, nan), torch.full((Hv, slots), nan, device="cuda")
+            kkt(q, k, g, beta, table, g_cum, gamma, gates, A, P, log_norms, slots)
+        else:
+            kkt(k, g, beta, table, g_cum, gamma, gates, A, slots)
+    assert torch.equal(As[0], As[1]), "kkt_solve's A differs between launches"
+
+    A, kh = As[0][0].double(), k[0].double().repeat_interleave(Hv // Hqk, dim=1)  # [T, Hv, C], [T, Hv, K]
+    gc, bt = g_cum[0].double(), beta[0].double()
+    chunks = [(s, min(C, b + n - s)) for b, n in zip(cu[:-1].tolist(), seqlens) for s in range(b, b + n, C)]
+    for t0, n in chunks:
+        kc, gam, bc = kh[t0 : t0 + n].transpose(0, 1), gc[t0 : t0 + n].T, bt[t0 : t0 + n].T  # [Hv, n, K], [Hv, n]
+        M = (bc[:, :, None] * (kc @ kc.mT) * (gam[:, :, None] - gam[:, None, :]).exp()).tril(-1)
+        want = torch.linalg.inv(torch.eye(n, dtype=torch.float64, device="cuda") + M) * bc[:, None, :]
+        got = A[t0 : t0 + n].transpose(0, 1)  # [Hv, n, C]
+        assert (got.triu(1) == 0).all(), (t0, "A above its diagonal")
+        assert rel_l2(got[..., :n], want) <= INVERSE_TOL[dtype], (t0, n, rel_l2(got[..., :n], want))
+
+
 def test_inference_calls_share_scratch_by_stream(monkeypatch):
     """An inference call (no gradient) keeps kkt_solve's outputs in scratch buffers that the next call
     of the same shapes on the same stream and thread reuses (flash_qla.ops.buffers.scratch); another

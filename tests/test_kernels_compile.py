@@ -35,14 +35,15 @@ from flash_qla.ops.kkt_solve import kkt_solve_kernel
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile kernels")
 
-TF32_MMA = "mma_sync<tl::DataType::kTensorFloat32"
+TF32_MMA = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
+SOLVE_CALL = "flash_qla_unit_lower_inverse<"
 
 # (factory, static args, instructions its SM90 source must use)
 KERNELS = [
     # the inverse's merges on the tensor cores: mma.sync in tf32
-    ("kkt_solve", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs", TF32_MMA)),
+    ("kkt_solve", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90), ("wgmma", "cp_async_gs", TF32_MMA, SOLVE_CALL)),
     # β read in q's dtype (no cast launch)
-    ("kkt_solve_beta_bf16", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async_gs", TF32_MMA)),
+    ("kkt_solve_beta_bf16", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "bfloat16"), ("wgmma", "cp_async_gs", TF32_MMA, SOLVE_CALL)),
     ("fused_fwd_bv32_h0_h", fused_fwd_kernel, (16, 32, 128, 128, 32, "bfloat16", SM90, True, True), ("wgmma", "tma_load")),
     ("fused_fwd_bv32_fp16", fused_fwd_kernel, (4, 8, 128, 128, 32, "float16", SM90, False, False), ("wgmma", "tma_load")),
     ("kkt_solve_backward_mode", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "float32", True), ("wgmma", "cp_async_gs")),
@@ -89,7 +90,7 @@ KERNELS = [
     # an inference forward at 64 columns: kkt_solve without P (only K Kᵀ on wgmma), the walk with the O path on two
     # warpgroups of its own (registers moved by setmaxnreg; o, Sᵀ and v_newᵀ staged by stmatrix, Vᵀ read by ldmatrix;
     # o stored by TMA)
-    ("kkt_solve_without_p", kkt_solve_kernel, (2, 8, 128, "bfloat16", SM90, "bfloat16", False, False), ("wgmma", "cp_async_gs", TF32_MMA)),
+    ("kkt_solve_without_p", kkt_solve_kernel, (2, 8, 128, "bfloat16", SM90, "bfloat16", False, False), ("wgmma", "cp_async_gs", TF32_MMA, SOLVE_CALL)),
     ("fused_fwd_opath", fused_fwd_opath_kernel, (2, 8, 128, 128, "bfloat16", SM90, False), ("wgmma_rs", "tma_load", "tma_store", "warpgroup_reg_alloc", "flash_qla_stsm_x4((", "flash_qla_ldsm_x4_trans((")),
     ("fused_fwd_opath_fp16_h0", fused_fwd_opath_kernel, (4, 8, 128, 128, "float16", SM90, True), ("wgmma_rs", "tma_load", "tma_store")),
 ]
@@ -343,7 +344,7 @@ def test_kkt_backward_mode_writes_the_bounds_and_no_inverse():
     source = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", True).get_kernel_source()
     body = source[source.index("__global__ void __launch_bounds__"):]
     assert re.search(r"\blog_norms\[[^\]]*\] = ", body) and re.search(r"= beta\[", body)
-    assert TF32_MMA not in body
+    assert TF32_MMA not in source and SOLVE_CALL not in body
     assert not re.search(r"\b(A|g_cum)\[[^\]]*\] = ", body)
     without = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "float32", True, True, False).get_kernel_source()
     body = without[without.index("__global__ void __launch_bounds__"):]

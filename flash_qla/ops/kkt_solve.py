@@ -77,7 +77,8 @@ The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
      each product (8 x 8 in the first merge: the mma's other rows are zeros), skipping the
      k-blocks where the triangular X₁₁ or X₂₂ is zero. Each operand is split into its tf32
      part and the remainder, and three products a k-block (3xTF32) keep every product to
-     ~2⁻²¹ of its terms, where one tf32 product keeps ~2⁻¹¹ (`tile_product`). They were CUDA-core products with register tiles, whose operands
+     ~2⁻²¹ of its terms, where one tf32 product keeps ~2⁻¹¹ (SOLVE's
+     flash_qla_tile_product). They were CUDA-core products with register tiles, whose operands
      came as broadcast shared-memory loads: 41 % of the stage's shared wavefronts
      (benchmark/NOTES.md v20 step 4b). On the tensor cores a warp loads each operand
      element of a k-block once: low-level forward 0.570 -> 0.540 ms at 16/32 8x4096, 0.171
@@ -85,7 +86,18 @@ The inverse X = (I + M)⁻¹ is formed in fp32 by blocks:
      dependent chain is 28 multiply-adds a column where 16 rows took 120, 0.543 -> 0.532
      and 0.165 -> 0.162 (another machine start); A as far from a float64 reference as with
      the CUDA-core merges, to three digits (v24).
-M and X share one fp32 buffer: each block of M is read before X overwrites it.
+M and X share one fp32 buffer: each block of M is read before X overwrites it, and each merge's T₁
+waits in the merged block's upper block (zero in X), zeroed again once read.
+Steps 1 and 2 are one device function (SOLVE, called on the buffer), with pointer offsets and
+every k-block a warp could take unrolled (the ones it skips branched over): as TileLang code (its
+loops over a warp's k-blocks, bounds by warp; 2-D indices; T₁ in a buffer of its own) the kernel
+had 2296 instructions, now 2016. H100, kkt_solve alone, µs, outputs bitwise equal
+(benchmark/NOTES.md v84): 16/32 1x32768 with P 244.8 -> 240.4, without P 179.1 -> 171.4; 2/8
+4x8192 65.3 -> 64.1, 47.1 -> 45.3; 4/16 2x16384 122.9 -> 119.6, 88.2 -> 85.2 (a second run:
+0.968-0.986x); inference forwards 0.987-0.998x. TileLang's loops unrolled alone: 0.991-0.999x.
+Every step ends at a barrier of the whole block, though the blocks of 8 (a warp's) and 16 (a pair
+of warps') need only a warp's or a pair's: with those, six block-wide barriers fewer, kkt_solve
+took 1.04-1.15x as long as with the TileLang merges (why was not found).
 With the merges on the CUDA cores the stage was bound by the L1's load/store pipe (ncu: 85 %
 busy, two thirds of it shared-memory loads; benchmark/NOTES.md v20 steps 4-4b), so its
 shared-memory traffic is laid out for few wavefronts: the masks are applied in registers, so
@@ -104,7 +116,6 @@ from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
 
 LOG2E = 1.4426950408889634
-DIAG = 8  # diagonal blocks inverted by forward substitution
 PAD = 8  # floats of padding per row of the fp32 shared matrices (banks: the module docstring)
 # bf16/fp16 elements of padding per row of P's staging tile: rows 144 bytes apart, so the 8
 # rows that a warp's accumulator stores touch at once start in 8 different banks (unpadded,
@@ -119,6 +130,134 @@ __device__ __forceinline__ float ex2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+"""
+
+# The solve X = (I + M)⁻¹ of the module docstring's steps 1 and 2, as one device function (why: the docstring)
+SOLVE = """
+__device__ __forceinline__ void flash_qla_mma_tf32(float* c, const unsigned* a, const unsigned* b) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// c = A B over the k-blocks [first, last) of NB (unrolled; first and last may depend on the warp): A's ROWS x 8
+// tile at a + 8 kb (rows ROW floats apart; ROWS = 8 leaves the mma's rows 8-15 zero), B's 8 x 8 tile at
+// b + 8 kb ROW. mma.sync m16n8k8 in tf32, three products a k-block (3xTF32): each operand x is split into
+// hi = x with its 13 low mantissa bits cleared (what the tensor core reads of it) and lo = x - hi (exact), and
+// lo hi + hi lo + hi hi is summed in fp32: every product to ~2^-21 of |a||b| where one tf32 product keeps
+// ~2^-11. Lane (g, t) feeds the fragment's k = t and t + 4 from the k-block's columns 2t and 2t + 1 (a sum over
+// k does not depend on its order, as long as A's and B's agree): A's operand is two 8-byte loads (rows g and
+// g + 8), conflict-free at rows 72 floats apart, where columns t and t + 4 take four 4-byte loads
+template <int ROW, int ROWS, int NB>
+__device__ __forceinline__ void flash_qla_tile_product(float* c, const float* a, const float* b, int first, int last,
+                                                       int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  c[0] = c[1] = c[2] = c[3] = 0.0f;
+#pragma unroll
+  for (int kb = 0; kb < NB; ++kb) {
+    if (kb < first || kb >= last) continue;
+    const int k0 = 8 * kb + 2 * t;
+    float f[6];
+    const float2 a0 = *reinterpret_cast<const float2*>(a + g * ROW + k0);
+    f[0] = a0.x;
+    f[2] = a0.y;
+    if (ROWS == 16) {
+      const float2 a1 = *reinterpret_cast<const float2*>(a + (g + 8) * ROW + k0);
+      f[1] = a1.x;
+      f[3] = a1.y;
+    } else {
+      f[1] = 0.0f;
+      f[3] = 0.0f;
+    }
+    f[4] = b[k0 * ROW + g];
+    f[5] = b[(k0 + 1) * ROW + g];
+    unsigned hi[6], lo[6];
+#pragma unroll
+    for (int e = 0; e < 6; ++e) {
+      hi[e] = __float_as_uint(f[e]) & 0xFFFFE000u;
+      lo[e] = __float_as_uint(f[e] - __uint_as_float(hi[e]));
+    }
+    flash_qla_mma_tf32(c, lo, hi + 4);  // the small terms first
+    flash_qla_mma_tf32(c, hi, lo + 4);
+    flash_qla_mma_tf32(c, hi, hi + 4);
+  }
+}
+// x[g + 8r][2t + j] = sign c[2r + j] (r < ROWS / 8): lane (g, t)'s part of a 16 x 8 accumulator tile
+template <int ROW, int ROWS>
+__device__ __forceinline__ void flash_qla_tile_store(float* x, const float* c, float sign, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < ROWS / 8; ++r) {
+    *reinterpret_cast<float2*>(x + (g + 8 * r) * ROW + 2 * t) = make_float2(sign * c[2 * r], sign * c[2 * r + 1]);
+  }
+}
+// x [64, ROW] holds M (strictly lower, zeros above); on return X = (I + M)^-1, zeros above its diagonal. Each
+// merge's T1 = M21 X11 is kept in the merged block's upper block (X12, zero in X) and zeroed again once read.
+// One warpgroup (tx < 128); every step between barriers of the whole block
+template <int ROW>
+__device__ __forceinline__ void flash_qla_unit_lower_inverse(float* x, int tx) {
+  const int warp = tx >> 5, lane = tx & 31;
+  const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float c[8];
+  {  // 1. the eight 8 x 8 diagonal blocks: half-warp h block h, lane l column l % 8 (x_i = d_il - sum_j<i M_ij x_j)
+    const int base = (tx >> 4) * 8, col = tx & 7;
+    float xc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      xc[i] = i == col ? 1.0f : 0.0f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) xc[i] = xc[i] - x[(base + i) * ROW + base + j] * xc[j];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[(base + i) * ROW + base + col] = xc[i];  // lanes l and l + 8 store the same
+    __syncthreads();
+  }
+  {  // 2. blocks of 8 -> 16: warp w pair w, one 8 x 8 tile of T1 and of X21
+    float* p = x + 16 * warp * (ROW + 1);
+    flash_qla_tile_product<ROW, 8, 1>(c, p + 8 * ROW, p, 0, 1, lane);
+    flash_qla_tile_store<ROW, 8>(p + 8, c, 1.0f, lane);
+    __syncthreads();
+    flash_qla_tile_product<ROW, 8, 1>(c, p + 8 * ROW + 8, p + 8, 0, 1, lane);
+    flash_qla_tile_store<ROW, 8>(p + 8 * ROW, c, -1.0f, lane);
+    __syncthreads();
+    flash_qla_tile_store<ROW, 8>(p + 8, zero, 1.0f, lane);
+  }
+  {  // 3. 16 -> 32: pair b warps 2b and 2b + 1, warp w columns 8w of T1 and of X21; T1's k-blocks < w are zero
+    const int w = warp & 1;
+    float* p = x + 32 * (warp >> 1) * (ROW + 1);
+    __syncthreads();
+    flash_qla_tile_product<ROW, 16, 2>(c, p + 16 * ROW, p + 8 * w, w, 2, lane);
+    flash_qla_tile_store<ROW, 16>(p + 16 + 8 * w, c, 1.0f, lane);
+    __syncthreads();  // the other warp's X21 goes over the M21 columns this warp read
+    flash_qla_tile_product<ROW, 16, 2>(c, p + 16 * ROW + 16, p + 16 + 8 * w, 0, 2, lane);
+    flash_qla_tile_store<ROW, 16>(p + 16 * ROW + 8 * w, c, -1.0f, lane);
+    __syncthreads();
+    flash_qla_tile_store<ROW, 16>(p + 16 + 8 * w, zero, 1.0f, lane);
+  }
+  __syncthreads();
+  {  // 4. 32 -> 64: warp w T1 tiles (0, w) and (1, 3 - w) (5 k-blocks each warp), X21 tiles (0, w) and (1, w)
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int n = m == 0 ? warp : 3 - warp;
+      flash_qla_tile_product<ROW, 16, 4>(c, x + (32 + 16 * m) * ROW, x + 8 * n, n, 4, lane);
+      flash_qla_tile_store<ROW, 16>(x + 16 * m * ROW + 32 + 8 * n, c, 1.0f, lane);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {  // X22's k-blocks past its diagonal are zero
+      const float* a = x + (32 + 16 * m) * ROW + 32;
+      flash_qla_tile_product<ROW, 16, 4>(c + 4 * m, a, x + 32 + 8 * warp, 0, 2 * m + 2, lane);
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      flash_qla_tile_store<ROW, 16>(x + (32 + 16 * m) * ROW + 8 * warp, c + 4 * m, -1.0f, lane);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < 2; ++m) flash_qla_tile_store<ROW, 16>(x + 16 * m * ROW + 32 + 8 * warp, zero, 1.0f, lane);
+  }
 }
 """
 
@@ -161,96 +300,15 @@ def kkt_solve_kernel(
     C = profile.chunk
     THREADS = profile.threads
     GROUPS = Hv // Hqk
-    assert THREADS == 4 * 32 and C == 8 * DIAG, "half a warp per diagonal block"
+    assert THREADS == 4 * 32 and C == 64, "SOLVE inverts 64 x 64 in one warpgroup (half a warp an 8 x 8 block)"
     accum = "float32"
     tokens = T.dynamic("tokens")
     n_slots = T.dynamic("n_slots")
 
     @T.macro
-    def tile_product(a_s, a_row, a_col, b_s, b_row, b_col, k_first, k_last, lane, pair, frag, hi, lo, c, c0, rows: int):
-        """One warp's 16 x 8 tile of A B over the k-blocks [k_first, k_last), into c[c0 : c0 + 4].
-
-        Block kb multiplies A's `rows` x 8 tile at (a_row, a_col + 8 kb) by B's 8 x 8 tile at
-        (b_row + 8 kb, b_col); rows = 8 leaves the mma's rows 8-15 zero (c[c0 + 2 :] unused).
-
-        mma.sync m16n8k8 in tf32, three products a k-block (3xTF32): each operand x is
-        split into hi = x with its 13 low mantissa bits cleared (what the tensor core reads of
-        it) and lo = x − hi (exact), and lo·hi + hi·lo + hi·hi is summed in fp32: every product
-        to ~2⁻²¹ of |a||b| where one tf32 product keeps ~2⁻¹¹. Lane (g, t) feeds the fragment's
-        k = t and k = t + 4 from the k-block's columns 2t and 2t + 1 (a sum over k does not
-        depend on its order, as long as A's and B's agree), so its A operand is two 8-byte loads
-        (rows g and g + 8), conflict-free at rows 72 floats apart, where columns t and t + 4
-        take four 4-byte loads with 2-way conflicts.
-        """
-        g = lane // 4
-        t = lane % 4
-        for e in T.unroll(4):
-            c[c0 + e] = 0.0
-        for kb in T.serial(k_first, k_last):
-            k0 = 8 * kb + 2 * t
-            for r in T.unroll(2):  # A[g + 8 r, k0 : k0 + 2] -> a_r, a_{r+2}
-                if r < rows // 8:
-                    for j in T.vectorized(2):
-                        pair[j] = a_s[a_row + g + 8 * r, a_col + k0 + j]
-                    frag[r] = pair[0]
-                    frag[r + 2] = pair[1]
-                else:  # an 8-row tile: the mma's rows 8-15 are zeros
-                    frag[r] = 0.0
-                    frag[r + 2] = 0.0
-            frag[4] = b_s[b_row + k0, b_col + g]
-            frag[5] = b_s[b_row + k0 + 1, b_col + g]
-            for e in T.unroll(6):
-                hi[e] = T.reinterpret(T.bitwise_and(T.reinterpret(frag[e], "uint32"), T.uint32(0xFFFFE000)), accum)
-                lo[e] = frag[e] - hi[e]
-            # the small terms first; A is a buffer's first 4 values, B its last 2
-            T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32", lo.data, 0, hi.data, 4, c.data, c0, False)
-            T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32", hi.data, 0, lo.data, 4, c.data, c0, False)
-            T.ptx_mma(accum, "m16n8k8", "row", "col", "tf32", "tf32", "fp32", hi.data, 0, hi.data, 4, c.data, c0, False)
-
-    @T.macro
-    def merge(x_s, t_s, pair, frag, hi, lo, c, tx, s: int):
-        """Join pairs of inverted s x s diagonal blocks of X into 2s x 2s inverses (M₂₁ -> X₂₁ in place).
-
-        T₁ = M₂₁ X₁₁ into t_s, then X₂₁ = −X₂₂ T₁ over M₂₁, as tiles of 16 x 8 (8 x 8 when s = 8)
-        on the tensor cores (`tile_product`); the k-blocks where the lower triangular X₁₁ (columns
-        of tile n: k >= 8 n) or X₂₂ (rows of tile m: k < 16 m + 16) is zero are skipped. s = 8:
-        warp w takes pair w, one tile of each product. s = 16: warp w takes pair w // 2, columns
-        8 (w % 2). s = 32 (one pair): warp w takes tiles (0, w) and (1, 3 − w) of T₁ (5 k-blocks
-        each warp) and (0, w), (1, w) of X₂₁ (6 each).
-        """
-        warp = tx // 32
-        lane = tx % 32
-        g = lane // 4
-        t = lane % 4
-        NB = s // 8  # k-blocks of a full product, and warps a pair
-        ROWS = min(s, 16)  # rows of an output tile
-        TILES = max(s // 16, 1)  # row tiles of the block
-        b = warp // NB
-        base = 2 * s * b
-        w = warp % NB
-        for m in T.unroll(TILES):
-            n = w + m * (NB - 1 - 2 * w)  # column tiles w, then NB - 1 - w
-            tile_product(
-                x_s, base + s + 16 * m, base, x_s, base, base + 8 * n, n, NB, lane, pair, frag, hi, lo, c, 0, ROWS
-            )
-            for r in T.unroll(ROWS // 8):
-                for j in T.unroll(2):
-                    t_s[s * b + 16 * m + g + 8 * r, 8 * n + 2 * t + j] = c[2 * r + j]
-        # both tiles of X₂₁ before either is stored over M₂₁ (one barrier, not one a tile)
-        for m in T.unroll(TILES):
-            k_last = T.min(2 * m + 2, NB)
-            tile_product(
-                x_s, base + s + 16 * m, base + s, t_s, s * b, 8 * w, 0, k_last, lane, pair, frag, hi, lo, c, 4 * m, ROWS
-            )
-        for m in T.unroll(TILES):
-            for r in T.unroll(ROWS // 8):
-                for j in T.unroll(2):
-                    x_s[base + s + 16 * m + g + 8 * r, base + 8 * w + 2 * t + j] = -c[4 * m + 2 * r + j]
-
-    @T.macro
     def kkt_solve_body(q, k, g, beta, chunk_table, g_cum, gamma, gates, A, P, log_norms, slots):
         """The kernel; q and P are None when FORM_P is off."""
-        with T.Kernel(Hv, slots, threads=THREADS, prelude=EX2_FTZ) as (ih, slot):
+        with T.Kernel(Hv, slots, threads=THREADS, prelude=EX2_FTZ + ("" if BACKWARD else SOLVE)) as (ih, slot):
             follow_previous_kernel()
             ihk = ih // GROUPS
             tx = T.get_thread_binding()
@@ -267,16 +325,10 @@ def kkt_solve_kernel(
             # M (strictly lower), overwritten block by block with X = (I + M)⁻¹: each M block is
             # read (diagonal blocks into registers, M₂₁ into T₁) before X takes its place
             x_s = T.alloc_shared([C, C + PAD], accum)
-            t_s = T.alloc_shared([C // 2, C // 2 + PAD], accum)  # M₂₁ X₁₁ of the merges
             KK = T.alloc_fragment([C, C], accum)
             if FORM_P:
                 QK = T.alloc_fragment([C, C], accum)
-            xc = T.alloc_local([DIAG], accum)  # this lane's column of its diagonal block of X
             pair = T.alloc_local([2], accum)
-            frag = T.alloc_local([6], accum)  # a k-block's A (4) and B (2) operands of a tile product
-            hi = T.alloc_local([6], accum)
-            lo = T.alloc_local([6], accum)
-            c = T.alloc_local([8], accum)  # two 16 x 8 tiles' accumulators
             bcol = T.alloc_local([4], accum)  # β of this thread's four columns of A
             t0 = T.alloc_var("int32")
             g_row = T.alloc_var("int32")  # this thread's token of g and β (the prologue)
@@ -358,22 +410,12 @@ def kkt_solve_kernel(
                             P[t0 + i, ih, j] = p_s[i, j]
 
                 if not BACKWARD:  # X = (I + M)⁻¹ and A = X diag(β)
-                    # 1. diagonal blocks: half-warp h inverts block h, lane l solves column l % 8:
-                    #    x_i = δ_il − Σ_{j<i} M_ij x_j (the same M_ij for a half-warp's lanes: broadcasts)
-                    base = tx // 16 * DIAG
-                    col = tx % DIAG
-                    for i in T.unroll(DIAG):
-                        xc[i] = T.if_then_else(i == col, 1.0, 0.0)
-                        for j in T.unroll(i):
-                            xc[i] -= x_s[base + i, base + j] * xc[j]
-                    for i in T.unroll(DIAG):  # lanes l and l + 8 store the same value
-                        x_s[base + i, base + col] = xc[i]
-
-                    # 2. doubling merges: blocks of 8, 16, then of 32
-                    merge(x_s, t_s, pair, frag, hi, lo, c, tx, DIAG)
-                    merge(x_s, t_s, pair, frag, hi, lo, c, tx, 2 * DIAG)
-                    merge(x_s, t_s, pair, frag, hi, lo, c, tx, 4 * DIAG)
-
+                    # declared a read: as a write, TileLang's barrier pass puts a __syncthreads between P's
+                    # store (its reads of p_s, in the same dynamic buffer) and the call, which writes only x_s;
+                    # the barrier after it is explicit
+                    solve = f"flash_qla_unit_lower_inverse<{C + PAD}>"
+                    T.call_extern("handle", solve, T.access_ptr(x_s, "r"), tx)
+                    T.sync_threads()
                     # A = X diag(β): thread t reads and writes columns 4 (t % 16) .. + 3 of rows
                     # t // 16, t // 16 + 8, ..., with their four β read once
                     for c in T.vectorized(4):

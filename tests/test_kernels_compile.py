@@ -337,6 +337,20 @@ def test_opath_walk_roles_meet_at_mbarriers_only():
     assert not re.search(r"\b[qP]\b", signature), signature
 
 
+@pytest.mark.parametrize("form_p", [True, False], ids=["P", "noP"])
+def test_kkt_solve_call_sits_between_barriers(form_p):
+    """The solve (SOLVE's device function) writes M's buffer in place, but TileLang's barrier pass is told it only
+    reads it (flash_qla.ops.kkt_solve): a __syncthreads must stand after the kernel's last store to x_s before the
+    call, and after the call before A's read-out loads x_s."""
+    source = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", False, form_p).get_kernel_source()
+    body = source[source.index("__global__ void __launch_bounds__"):]
+    call = body.index(SOLVE_CALL)
+    stores = [m.start() for m in re.finditer(r"\(\(float\*\)x_s\)(\[[^;]*\]|[^;]*\)\)) = ", body[:call])]
+    assert stores and body.rindex("__syncthreads();", 0, call) > stores[-1]
+    after = body[body.index("\n", call):]  # past the call
+    assert after.index("__syncthreads();") < after.index("(float*)x_s)")
+
+
 def test_kkt_backward_mode_writes_the_bounds_and_no_inverse():
     """kkt_solve's backward mode forms log_norms (the low-level backward's split walks skip by them) from
     β and K Kᵀ's diagonal, and neither solves (no tf32 merges) nor writes A or g_cum; without BOUNDS

@@ -224,7 +224,7 @@ __device__ __forceinline__ void flash_qla_unit_lower_inverse(float* x, int tx) {
     __syncthreads();
     flash_qla_tile_store<ROW, 8>(p + 8, zero, 1.0f, lane);
   }
-  {  // 3. 16 -> 32: pair b warps 2b and 2b + 1, warp w columns 8w of T1 and of X21; T1's k-blocks < w are zero
+  {  // 3. 16 -> 32: pair b warps 2b and 2b + 1, warp w columns 8w of T1 and of X21; X11's k-blocks < w are zero
     const int w = warp & 1;
     float* p = x + 32 * (warp >> 1) * (ROW + 1);
     __syncthreads();

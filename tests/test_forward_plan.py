@@ -155,7 +155,12 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
         ((2048,), 32, True, False, (False, 32, False)),  # training: fused_fwd at 32
         ((2048,), 32, False, True, (False, 32, False)),
         ((2048,), 8, False, False, (False, 16, False)),  # fused_fwd at 16 is the faster walk (44.9 against 53.2)
-        ((32768,), 8, False, False, (True, None, False)),  # pieces
+        # pieces: the O path over them where it pays over the pieces as sequences (H100, v85: 2/8 8192x4 186.5
+        # against 199.0 µs), the planner's width for them otherwise (forward_plan)
+        ((32768,), 8, False, False, (True, 64, True)),
+        ((32768,), 8, True, False, (True, None, False)),
+        ((32768,), 8, False, True, (True, None, False)),
+        ((8192,), 4, False, False, (True, None, False)),  # 4 pieces x 4 v-heads: the pieces at 16 columns
         ((28672, 4096), 48, False, False, (False, 64, True)),  # one wave at 64: 872.3 against 1319.8 at 128 (v53)
         # one chunk a sequence: no chunk after it to hide P under (H100, session 73: 648.8 against 494.9 at 128)
         ((8,) * 1024, 8, False, False, (False, 128, False)),
@@ -173,6 +178,7 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
     ids=[
         "2/8_8x4096", "training", "output_h", "16/32_8x4096", "4/16_8x4096", "16/48_2x2048", "16/32_8x4096_training",
         "16/32_1x2048", "16/32_1x4096", "16/32_1x2048_training", "16/32_1x2048_output_h", "2/8_1x2048", "split",
+        "split_training", "split_output_h", "4/4_split_narrow",
         "16/48_28672+4096", "2/8_8x1024", "16/32_64x512", "2/8_128x256", "2/8_192x170", "2/8_256x128", "2/8_300x100",
         "16/32_512x64", "2/8_128x8", "16/32_128x1", "4/16_192x4",
     ],
@@ -682,13 +688,19 @@ def test_forward_plan_decided_once_per_shapes_and_options(monkeypatch):
     assert inference.slots == 8 * 4096 // 64 + 8 and len(inference.specs) == 4
     training = plan((4096,) * 8, 8, training=True)  # P kept for the backward
     assert built[2:] == ["kkt_solve", "fused_fwd_wide"] and len(training.specs) == 6 and not training.opath
-    # split: the walk over the pieces, the MAPS and offsets walks, each at 128 columns (16 pieces x 8 v-heads: one
-    # wave), compose_maps, and the pieces' buffers: D, b, starts and ends, one row per piece
+    # split: the walk over the pieces (o alone: the O path, kkt_solve without P but with the bounds), the MAPS and
+    # offsets walks at 128 columns (16 pieces x 8 v-heads: one wave), compose_maps, and the pieces' buffers: D, b,
+    # starts and ends, one row per piece
     pieces = plan((32768,), 8)
-    assert pieces.split and (pieces.BV, pieces.BV_maps) == (128, 128) and not pieces.opath
-    assert built[4:] == ["kkt_solve", "fused_fwd_wide", "fused_fwd_wide", "fused_fwd_wide", "compose_maps"]
-    assert (pieces.walk, pieces.map_walk, pieces.offsets) == ("launch fused_fwd_wide",) * 3
-    assert pieces.compose == "launch compose_maps" and len(pieces.specs) == 6
+    assert pieces.split and (pieces.BV, pieces.BV_maps) == (64, 128) and pieces.opath
+    assert built[4:] == ["kkt_solve", "fused_fwd_opath", "fused_fwd_wide", "fused_fwd_wide", "compose_maps"]
+    assert pieces.walk == "launch fused_fwd_opath"
+    assert (pieces.map_walk, pieces.offsets) == ("launch fused_fwd_wide",) * 2
+    assert pieces.compose == "launch compose_maps" and len(pieces.specs) == 5
+    # a training forward's pieces: kkt_solve's P kept for the backward, the pieces at 128 columns
+    pieces_training = plan((32768,), 8, training=True)
+    assert (pieces_training.BV, pieces_training.opath, len(pieces_training.specs)) == (128, False, 6)
+    assert built[9:] == ["kkt_solve", "fused_fwd_wide", "fused_fwd_wide", "fused_fwd_wide", "compose_maps"]
     n = 1 + pieces.slots // SM90.checkpoint_chunks  # checkpoint_pieces' rows: a piece per sequence and per 32 slots
     assert pieces.split_specs == (
         ((n, 8, 128, 256), torch.bfloat16), *(((n, 8, 128, 128), torch.float32),) * 3
@@ -788,11 +800,12 @@ def test_precompile_lists_every_forward_kernel():
     assert {f.__name__ for f, _ in builds} == {
         "kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel", "fused_fwd_opath_kernel", "compose_maps_kernel"
     }
-    # kkt_solve for β in q's dtype and in fp32, with P and without it (the O-path walk's, with and
-    # without h0); every V-tile width the launcher can choose, with and without h0 / h, and the two
-    # walks of a split walk's maps (M and b); the composition of the maps with and without an initial state; the
-    # walk taking several short sequences a block, at 128 columns, with and without h0
-    assert len(builds) == 2 * 2 + 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2) + 2 + 2
+    # kkt_solve for β in q's dtype and in fp32: with P, and without it (the O-path walk's, with and without h0)
+    # with and without the bounds (the O path over a split's pieces); every V-tile width the launcher can choose,
+    # with and without h0 / h, and the two walks of a split walk's maps (M and b); the composition of the maps with
+    # and without an initial state; the walk taking several short sequences a block, at 128 columns, with and
+    # without h0
+    assert len(builds) == 2 * 3 + 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2) + 2 + 2
     assert len(set(builds)) == len(builds)
 
 

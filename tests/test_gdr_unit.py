@@ -272,6 +272,36 @@ def test_split_forward_matches_whole_walk(case, poisoned, monkeypatch):
         assert rel_l2(got, whole) <= 2 * FWD_TOL, (name, rel_l2(got, whole))
 
 
+# o of the O-path walk over the pieces against the pieces walked at the planner's width: P formed in fp32 there and
+# rounded to the input dtype as the A operand of P v_new, where kkt_solve rounded it for its store (2e-5 measured)
+OPATH_PIECES_TOL = 1e-4
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
+def test_split_opath_forward_matches_pieces_walk(case, poisoned, monkeypatch):
+    """An inference forward that splits walks its pieces with fused_fwd_opath where o_path_pays says so over
+    them (flash_qla.ops.forward.walk_plan; kkt_solve forms no P, only the bounds its map and offsets walks skip
+    by): o and the final state against the fp32 reference, and against the pieces walked at the planner's width
+    after a kkt_solve with P, the final states bitwise (the same chain) and o within OPATH_PIECES_TOL. The split
+    and the O path forced, so that every case's pieces take it."""
+    from flash_qla.ops import forward as forward_module
+
+    opath_walks = record_calls(monkeypatch, forward_module, "fused_fwd_opath_kernel")
+    splits = record_calls(monkeypatch, forward_module, "split_walk")
+    patch_planner(monkeypatch, "splits_forward", lambda *args: True)
+    x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
+    out = {}
+    for opath in (True, False):
+        patch_planner(monkeypatch, "o_path_pays", lambda *args, opath=opath: opath)
+        if opath:
+            forward_matches_reference(case)
+        out[opath] = flash_qla.chunk_gated_delta_rule(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        assert len(opath_walks) == 1, "fused_fwd_opath walked the pieces, and only where forced"
+    assert len(splits) == 3, "every forward split"
+    assert torch.equal(out[True][1], out[False][1]), "final states"
+    assert rel_l2(out[True][0], out[False][0]) <= OPATH_PIECES_TOL, rel_l2(out[True][0], out[False][0])
+
+
 @contextlib.contextmanager
 def late_map_walk():
     """Within: a split walk's map walk starts ~10 ms (on the H200) after its fork, held back on its stream by a
@@ -565,6 +595,14 @@ def test_kkt_log_norms_bound_each_chunk_transition():
     assert (exact <= want + BOUND_TOL).all(), (exact - want).max()
     tight = (exact - want).abs()[~grows]
     assert (tight <= BOUND_TOL).all(), tight.max()
+    # without P (the O-path walk over a split's pieces): the same bounds, γ, gates and A, bit for bit
+    nop = [poisoned_buffer(*t.shape, dtype=t.dtype) for t in (g_cum, gamma, gates, A, log_norms)]
+    kkt_nop = kkt_solve_kernel(Hqk, Hv, 128, "bfloat16", get_profile(q.device), "float32", FORM_P=False, BOUNDS=True)
+    kkt_nop(k[None], g[None], beta[None], chunk_table(cu, C, slots), *nop, slots)
+    names = ("g_cum", "gamma", "gates", "A", "log_norms")
+    for name, with_p, without in zip(names, (g_cum, gamma, gates, A, log_norms), nop):
+        assert torch.equal(with_p.isnan(), without.isnan()), name
+        assert torch.equal(with_p.nan_to_num(7.0), without.nan_to_num(7.0)), name
 
 
 @pytest.mark.parametrize("beta_dtype", ["float32", "bfloat16"])
@@ -641,7 +679,7 @@ def test_kkt_solve_inverts_each_chunk(heads, seqlens, dtype, gate, form_p):
     x, cu, _ = case_inputs(Case("kkt_inverse", seqlens, heads=heads, dtype=dtype, gate=gate), seed=17)
     q, k, g, beta = x["q"].contiguous(), x["k"].contiguous(), x["g"].float().contiguous(), x["beta"].contiguous()
     name = "bfloat16" if dtype == torch.bfloat16 else "float16"
-    kkt = kkt_solve_kernel(Hqk, Hv, 128, name, get_profile(q.device), name, FORM_P=form_p)
+    kkt = kkt_solve_kernel(Hqk, Hv, 128, name, get_profile(q.device), name, FORM_P=form_p, BOUNDS=form_p)
     nan = float("nan")
     g_cum, gamma, gates = (torch.full(s, nan, device="cuda") for s in ((1, T, Hv), (Hv, slots, C), (Hv, slots, 2, C)))
     As = [torch.full((1, T, Hv, C), nan, dtype=dtype, device="cuda") for _ in range(2)]

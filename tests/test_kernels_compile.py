@@ -90,7 +90,9 @@ KERNELS = [
     # an inference forward at 64 columns: kkt_solve without P (only K Kᵀ on wgmma), the walk with the O path on two
     # warpgroups of its own (registers moved by setmaxnreg; o, Sᵀ and v_newᵀ staged by stmatrix, Vᵀ read by ldmatrix;
     # o stored by TMA)
-    ("kkt_solve_without_p", kkt_solve_kernel, (2, 8, 128, "bfloat16", SM90, "bfloat16", False, False), ("wgmma", "cp_async_gs", TF32_MMA, SOLVE_CALL)),
+    ("kkt_solve_without_p", kkt_solve_kernel, (2, 8, 128, "bfloat16", SM90, "bfloat16", False, False, False), ("wgmma", "cp_async_gs", TF32_MMA, SOLVE_CALL)),
+    # ... and over a split's pieces: kkt_solve without P but with the bounds the map and offsets walks skip by
+    ("kkt_solve_without_p_bounds", kkt_solve_kernel, (16, 32, 128, "bfloat16", SM90, "float32", False, False, True), ("wgmma", "cp_async_gs", TF32_MMA, SOLVE_CALL, "log_norms[")),
     ("fused_fwd_opath", fused_fwd_opath_kernel, (2, 8, 128, 128, "bfloat16", SM90, False), ("wgmma_rs", "tma_load", "tma_store", "warpgroup_reg_alloc", "flash_qla_stsm_x4((", "flash_qla_ldsm_x4_trans((")),
     ("fused_fwd_opath_fp16_h0", fused_fwd_opath_kernel, (4, 8, 128, 128, "float16", SM90, True), ("wgmma_rs", "tma_load", "tma_store")),
 ]
@@ -108,6 +110,7 @@ NO_LOCAL_MEMORY = (
     "kkt_solve", "fused_fwd_bv32_h0_h", "fused_fwd_bv16", "fused_bwd_bv32_dht_dh0", "fused_bwd_bv16_dht",
     "fused_fwd_wide_bv64_h0_h", "fused_fwd_wide_h0_h", "fused_fwd_wide_states_only", "fused_bwd_wide_bv64_dht",
     "fused_bwd_wide_dht_dh0", "chunk_grads", "chunk_grads_parts", "fused_fwd_keep_h", "fused_fwd_wide_keep_h", "kkt_solve_without_p",
+    "kkt_solve_without_p_bounds",
     "fused_fwd_opath", "fused_fwd_maps", "fused_fwd_wide_maps", "fused_fwd_offsets", "fused_fwd_wide_offsets",
     "fused_bwd_ends_only", "fused_bwd_wide_ends_only", "compose_maps", "compose_maps_reverse_dht",
     "fused_fwd_wide_packed_h0",
@@ -321,7 +324,8 @@ def test_opath_walk_roles_meet_at_mbarriers_only():
     barriers are the O warpgroups' own around o's staging (ids 10, 11; TileLang's sync pass is off for
     this kernel), and the only block-wide one follows the mbarriers' init. The rows past a sequence's end
     are zeroed by the loading warp (k's, v's and A's, behind an mbarrier of their own), before it hands the
-    slot over, not by a consumer. kkt_solve without P takes and reads neither q nor P."""
+    slot over, not by a consumer. kkt_solve without P takes and reads neither q nor P, with the bounds (over a
+    split's pieces) nor them either, and then writes log_norms."""
     source = fused_fwd_opath_kernel(2, 8, 128, 128, "bfloat16", SM90, False).get_kernel_source()
     barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
     assert barriers == ["10, 128"] * 2 + ["11, 128"] * 2, barriers
@@ -332,17 +336,20 @@ def test_opath_walk_roles_meet_at_mbarriers_only():
     assert loads.index("last[0].wait(0)") < loads.index("fence_proxy_async") < loads.rindex("full[(c % 3)].arrive()")
     consumers = source[source.index("warpgroup_reg_dealloc<120>"):]
     assert "make_uint4" not in consumers
-    kkt = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", False, False).get_kernel_source()
-    signature = kkt[kkt.index("__global__"):].split("{")[0]
-    assert not re.search(r"\b[qP]\b", signature), signature
+    for bounds in (False, True):
+        kkt = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", False, False, bounds).get_kernel_source()
+        signature = kkt[kkt.index("__global__"):].split("{")[0]
+        assert not re.search(r"\b[qP]\b", signature), signature
+        body = kkt[kkt.index("__global__ void __launch_bounds__"):]
+        assert bool(re.search(r"\blog_norms\[[^\]]*\] = ", body)) == bounds
 
 
-@pytest.mark.parametrize("form_p", [True, False], ids=["P", "noP"])
-def test_kkt_solve_call_sits_between_barriers(form_p):
+@pytest.mark.parametrize("form_p,bounds", [(True, True), (False, False), (False, True)], ids=["P", "noP", "noP_bounds"])
+def test_kkt_solve_call_sits_between_barriers(form_p, bounds):
     """The solve (SOLVE's device function) writes M's buffer in place, but TileLang's barrier pass is told it only
     reads it (flash_qla.ops.kkt_solve): a __syncthreads must stand after the kernel's last store to x_s before the
     call, and after the call before A's read-out loads x_s."""
-    source = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", False, form_p).get_kernel_source()
+    source = kkt_solve_kernel(2, 8, 128, "bfloat16", SM90, "bfloat16", False, form_p, bounds).get_kernel_source()
     body = source[source.index("__global__ void __launch_bounds__"):]
     call = body.index(SOLVE_CALL)
     stores = [m.start() for m in re.finditer(r"\(\(float\*\)x_s\)(\[[^;]*\]|[^;]*\)\)) = ", body[:call])]

@@ -164,7 +164,17 @@ ROUTES = {
         options=dict(output_final_state=True),
         forward={"kkt_solve", "fused_fwd_opath"},
     ),
-    "inference_split": Route((32768,), (2, 8), h0=True, options=dict(output_final_state=True), forward=FWD_SPLIT),
+    # o alone: the pieces walked by the O-path walk, kkt_solve without P but with the bounds
+    "inference_split": Route(
+        (32768,), (2, 8), h0=True, options=dict(output_final_state=True), forward=FWD_SPLIT | {"fused_fwd_opath"}
+    ),
+    "inference_split_beta_fp32_scratch": Route(
+        (28672, 4096),
+        (16, 32),
+        beta_dtype=torch.float32,
+        options=dict(scratch=True, output_final_state=True),
+        forward=FWD_SPLIT | {"fused_fwd_opath"},
+    ),
     # several short sequences a block (PACKED), empty ones among them
     "inference_packed_h0": Route(
         (1, 64, 65, 128, 0) * 40, (2, 8), h0=True, options=dict(scratch=True, output_final_state=True),

@@ -117,16 +117,22 @@ def sequence_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int
     return seq_pieces[:-1].clamp(max=n - 1), (seq_pieces[1:] - 1).clamp_(min=0)
 
 
-def count_pieces(seqlens, chunk: int, every: int) -> int:
-    """The number of non-empty pieces of checkpoint_pieces, from the sequence lengths (host ints):
-    a sequence's first chunk starts one, and so does each global chunk m · every after it."""
-    pieces, first = 0, 0
+def piece_chunks(seqlens, chunk: int, every: int) -> list:
+    """The chunk count of each non-empty piece of checkpoint_pieces, in order, from the sequence lengths (host
+    ints): a sequence's first chunk starts one, and so does each global chunk m · every after it."""
+    pieces, first = [], 0
     for n in seqlens:
-        chunks = -(-n // chunk)
-        if chunks:
-            pieces += 1 + (first + chunks - 1) // every - first // every
-        first += chunks
+        end = first + -(-n // chunk)
+        while first < end:
+            nxt = min(end, (first // every + 1) * every)
+            pieces.append(nxt - first)
+            first = nxt
     return pieces
+
+
+def count_pieces(seqlens, chunk: int, every: int) -> int:
+    """The number of non-empty pieces of checkpoint_pieces (piece_chunks')."""
+    return len(piece_chunks(seqlens, chunk, every))
 
 
 def sequence_groups(n_seqs: int, per_block: int, like: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ meanwhile; training step 16/32 1x32768 2835.3 -> 2807.6 µs, 4/16 1461.8 -> 1429
 forward 4/16 1x32768 450.0 -> 415.9, 2/8 211.2 -> 202.7; benchmark/NOTES.md v44). compose_maps
 composes the maps into every piece's start state, and the forward walk (HAS_H0) runs over
 the pieces from them, giving o (and h) of every chunk; the final state is the last piece's
-end state.
+end state. For o alone that walk is fused_fwd_opath where it pays (flash_qla.ops.forward.walk_plan): P formed
+there, kkt_solve forms only the bounds, and the map and offsets walks read no P.
 
 The start states are the sequential walk's up to rounding (both walks round S to the input
 dtype as a tensor-core operand every chunk, at different points): 2/8 1x32768, o within
@@ -134,22 +135,22 @@ def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
 
 
 def split_walk(
-    walk, walk_gate, D, offsets, offsets_gate, compose, q, k, v, A, P, cu_seqlens, slots, seqlens, scale,
-    initial_state, h, log_norms, profile, b, starts, ends, streams=None,
+    walk, D, offsets, offsets_gate, compose, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state,
+    log_norms, profile, b, starts, ends, streams=None,
 ):  # fmt: skip
     """o and the final states of the sequences, walked in pieces; fills the pieces' start states.
 
-    walk / offsets: the TileLang executables of the forward walk (HAS_H0, storing h when h is
-    given) and of the walk giving b (STATES_ONLY, from S = 0, no h), walk_gate / offsets_gate
-    their gate inputs (flash_qla.ops.forward.walk_gate); D: the pieces' maps (maps_of_pieces,
-    at offsets' width); compose: compose_maps' executable (HAS_S0 when initial_state is given);
-    q, k [1, T, Hqk, K], v [1, T, Hv, V], A, P [1, T, Hv, C] as the forward walk
-    takes them; cu_seqlens [N + 1] and the lengths it holds (host ints); initial_state
-    [N, Hv, K, V] float32 or None; h [chunks, Hv, K, V] or None (float32 for output_h, q's dtype with
-    keep_states: the walk's STORE_H / KEEP_H); log_norms: kkt_solve's; b, starts, ends: split_specs'
-    buffers (every piece's offset, start and end state; rows past the last non-empty piece not written);
-    streams: (beside, main) when maps_of_pieces walked D on beside (main, the current stream, then waits
-    for it before compose_maps); None when D was walked on the current stream.
+    walk(bounds, firsts, starts, o, ends): the forward walk over the pieces from their start states, filling o
+    and every piece's end state (flash_qla.ops.forward: fused_fwd_wide or fused_fwd with HAS_H0, storing h
+    where asked, or fused_fwd_opath, the pieces its sequences); offsets: the TileLang executable of the walk
+    giving b (STATES_ONLY, from S = 0, no h), offsets_gate its gate input (flash_qla.ops.forward.walk_gate);
+    D: the pieces' maps (maps_of_pieces, at offsets' width); compose: compose_maps' executable (HAS_S0 when
+    initial_state is given); q, k [1, T, Hqk, K], v [1, T, Hv, V], A, P [1, T, Hv, C] as the offsets walk
+    takes them (it reads no P: any [1, T, Hv, C] tensor of A's dtype stands in); cu_seqlens [N + 1] and the
+    lengths it holds (host ints); initial_state [N, Hv, K, V] float32 or None; log_norms: kkt_solve's; b, starts,
+    ends: split_specs' buffers (every piece's offset, start and end state; rows past the last non-empty piece
+    not written); streams: (beside, main) when maps_of_pieces walked D on beside (main, the current stream, then
+    waits for it before compose_maps); None when D was walked on the current stream.
 
     Returns o [1, T, Hv, V] and final_state [N, Hv, K, V]; starts holds every piece's start state, in
     checkpoint_pieces' order (a training backward's recompute walks the same pieces from them).
@@ -168,7 +169,7 @@ def split_walk(
     compose(D, b, seq_pieces, bounds, firsts, log_norms, s0, starts)
 
     o = buffers.new_like(v)
-    walk(q, k, v, walk_gate, A, P, bounds, firsts, log_norms, starts, o, ends, placeholder if h is None else h, scale)
+    walk(bounds, firsts, starts, o, ends)
     # each sequence's last piece ends at its final state
     return o, _per_sequence(ends, last_rows, seq_pieces, seqlens, initial_state)
 

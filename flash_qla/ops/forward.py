@@ -7,7 +7,8 @@ for narrower ones. An inference forward (o alone) takes fused_fwd_opath at 64 co
 wherever that pays (o_path_pays: at 64 columns, at 32 from ~19 sequence-heads, at 128 from ~119; never at 128
 over sequences of at most four chunks), which forms P itself, and kkt_solve skips P (walk_plan; 2/8 8x4096 157.6 ->
 150.3 µs on the H200, benchmark/NOTES.md v37; 16/32 1x32768 walked whole 896.7 -> 859.3, 8x4096 549.7 -> 537.4,
-v48). Long sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel); many
+v48). Long sequences over few heads walk in pieces instead (splits_forward, flash_qla.ops.context_parallel), o alone
+there too by fused_fwd_opath where it pays over the pieces (walk_plan: kkt_solve then forms the bounds without P); many
 short ones several a block (sequences_per_block: fused_fwd_wide's PACKED).
 What a call decides from its shapes and options alone (the route, the V-tile width, the kernels)
 is decided once per shapes and options (forward_plan): the layers of a model step repeat them. A
@@ -25,7 +26,7 @@ import torch
 
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
-from flash_qla.ops.chunks import chunk_rows, chunk_tables, count_pieces, sequence_groups
+from flash_qla.ops.chunks import chunk_rows, chunk_tables, count_pieces, piece_chunks, sequence_groups
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.context_parallel import maps_of_pieces, split_specs, split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
@@ -361,12 +362,22 @@ def sequences_per_block(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) 
 
 
 def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, training: bool, output_h: bool):
-    """(split, BV, opath): whether the walk splits the sequences into pieces; else the V-tile width of
-    the walk over whole sequences, and whether that walk is fused_fwd_opath (at 64 columns, with
-    kkt_solve forming no P: o alone, no training, no h, where o_path_pays)."""
+    """(split, BV, opath): whether the walk splits the sequences into pieces; the V-tile width of the walk
+    over whole sequences (over the pieces: None, forward_plan's choose_block_v); and whether that walk is
+    fused_fwd_opath (at 64 columns, with kkt_solve forming no P: o alone, no training, no h, where o_path_pays,
+    over the sequences or over the pieces as sequences from their start states).
+
+    Over pieces, H100, inference forward, the O path (kkt_solve without P but with its bounds) / the pieces at the
+    planner's width after kkt_solve with P, µs (benchmark/NOTES.md v85 step 6): 16/32 28672+4096 753.5 / 810.0
+    (736.6 / 806.6 timed again), 16/16 28672+4096 442.3 / 500.0, 16/16 16384+16384 413.6 / 490.1, 4/16 16384+16384
+    375.8 / 399.4, 2/8 8192x4 186.5 / 199.0; final states bitwise equal, o within 2.5e-5. The saving is
+    kkt_solve's P (70 µs at 16/32 over 32768 tokens); the O-path walk over the pieces took 0.96-1.03x the other's."""
     split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
     if split:
-        return True, None, False
+        pieces = piece_chunks(seqlens, profile.chunk, profile.checkpoint_chunks)
+        BV = choose_block_v(len(pieces), Hv, V, profile)
+        opath = not (training or output_h) and o_path_pays(pieces, Hv, V, BV, profile)
+        return True, OPATH_BLOCK_V if opath else None, opath
     chunks = [-(-n // profile.chunk) for n in seqlens]
     BV = whole_walk_width(chunks, Hv, V, profile)
     opath = not (training or output_h) and o_path_pays(chunks, Hv, V, BV, profile)
@@ -499,26 +510,31 @@ def forward_plan(
     # kkt_solve's outputs: g_cum; γ again, chunk-major, for fused_fwd and fused_fwd_opath; e^γ and e^{γ_L − γ},
     # fused_fwd_wide's and fused_fwd_opath's γ; A; P = Q Kᵀ ⊙ Γ ⊙ Lower (unless the walk forms it)
     specs = ((1, T, Hv), f32), ((Hv, slots, C), f32), ((Hv, slots, 2, C), f32), ((1, T, Hv, C), dtype)
-    # and, with P, each chunk's log_norms (the split's skips, flash_qla.ops.context_parallel)
-    specs += () if opath else (((1, T, Hv, C), dtype), ((Hv, slots), f32))
-    kkt = kkt_solve_kernel(Hqk, Hv, K, name, profile, DTYPE_NAMES.get(beta_dtype, "float32"), FORM_P=not opath)
+    specs += () if opath else (((1, T, Hv, C), dtype),)
+    # and each chunk's log_norms (the split's skips, flash_qla.ops.context_parallel; formed with P, and without it
+    # where the O path walks the pieces)
+    bounds = split or not opath
+    specs += (((Hv, slots), f32),) if bounds else ()
+    beta_name = DTYPE_NAMES.get(beta_dtype, "float32")
+    kkt = kkt_solve_kernel(Hqk, Hv, K, name, profile, beta_name, FORM_P=not opath, BOUNDS=bounds)
     # kept for a backward that recomputes the states, where they pay, and always when the walk split
     # (free then: the pieces' start states); none when every state is kept
     keeps = training and auto_cp and not split and not keep_states and keeps_checkpoints(seqlens, Hv, V, profile)
     store_h = output_h or keep_states
     map_walk = offsets = BV_maps = compose = None
     split_buffers = ()
-    if opath:
-        walk = fused_fwd_opath_kernel(Hqk, Hv, K, V, name, profile, has_h0)
+    pieces = count_pieces(seqlens, C, profile.checkpoint_chunks) if split else 0
+    if opath:  # over the sequences, or over the pieces from their start states
+        walk = fused_fwd_opath_kernel(Hqk, Hv, K, V, name, profile, has_h0 or split)
     elif per_block > 1:
         walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_h0, False, PACKED=True)
     elif not split:
         walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, has_h0, store_h, False, keeps, KEEP_H=keep_states)
     else:  # the pieces (flash_qla.ops.context_parallel), each walk's width for their count
-        pieces = count_pieces(seqlens, C, profile.checkpoint_chunks)
         BV = choose_block_v(pieces, Hv, V, profile)
-        BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_US)
         walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, True, store_h, KEEP_H=keep_states)
+    if split:
+        BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_US)
         # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY)
         kernel = walk_kernel(BV_maps)
         map_walk = executable(kernel(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True, False, True))
@@ -560,10 +576,10 @@ def _forward_kernels(
         outs = buffers.scratch(plan.specs + plan.split_specs, q)
     else:
         outs = [buffers.new(*spec, q) for spec in plan.specs]
-    if plan.opath:
-        g_cum, gamma, gates, A = outs[:n_kkt]
-        P = None
-        plan.kkt(k, g, beta, chunks, g_cum, gamma, gates, A, slots)
+    if plan.opath:  # the walk forms P; the bounds (log_norms) where it walks a split's pieces
+        g_cum, gamma, gates, A, *bounds = outs[:n_kkt]
+        P, log_norms = None, bounds[0] if bounds else None
+        plan.kkt(k, g, beta, chunks, g_cum, gamma, gates, A, *bounds, slots)
     else:
         g_cum, gamma, gates, A, P, log_norms = outs[:n_kkt]
         plan.kkt(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, log_norms, slots)
@@ -589,12 +605,24 @@ def _forward_kernels(
         # walk: where the gates decay, each leaves most SMs idle behind the few pieces it walks in full
         streams = side_stream(q.device), current_stream(q.device)
         maps_gate = walk_gate(plan.BV_maps, gamma, gates)
+        P_maps = A if P is None else P  # the map and offsets walks read no P: A stands in where none was formed
         maps_of_pieces(
-            plan.map_walk, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, D, streams
+            plan.map_walk, maps_gate, q, k, v, A, P_maps, cu_seqlens, slots, scale, log_norms, profile, D, streams
         )  # fmt: skip
+        if plan.opath:  # the pieces as the O-path walk's sequences, their start states its h0
+
+            def walk(bounds, firsts, starts, o, ends):
+                plan.walk(q, k, v, gates, A, gamma, bounds, firsts, starts, o, ends, scale)
+
+        else:
+            gate, states = walk_gate(plan.BV, gamma, gates), buffers.placeholder(q.device, Hv, K, V) if h is None else h
+
+            def walk(bounds, firsts, starts, o, ends):
+                plan.walk(q, k, v, gate, A, P, bounds, firsts, log_norms, starts, o, ends, states, scale)
+
         o, final_state = split_walk(
-            plan.walk, walk_gate(plan.BV, gamma, gates), D, plan.offsets, maps_gate, plan.compose,
-            q, k, v, A, P, cu_seqlens, slots, seqlens, scale, h0, h, log_norms, profile, b, starts, ends, streams,
+            walk, D, plan.offsets, maps_gate, plan.compose, q, k, v, A, P_maps, cu_seqlens, slots, seqlens, scale, h0,
+            log_norms, profile, b, starts, ends, streams,
         )  # fmt: skip
         if training:  # the backward walk and state recompute split the same pieces (flash_qla.ops.backward)
             maps = D, log_norms
@@ -641,8 +669,13 @@ def _forward_kernels(
 def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
     """Every (factory, args) the forward can compile for one head layout and dtype."""
     builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, beta_dtype)) for beta_dtype in (dtype, "float32")]
-    # an inference forward whose walk runs at 64 columns: kkt_solve without P, the O-path walk
-    builds += [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, bd, False, False)) for bd in (dtype, "float32")]
+    # an inference forward whose walk runs at 64 columns: kkt_solve without P (with the bounds where the O-path
+    # walk takes a split's pieces), the O-path walk
+    builds += [
+        (kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, bd, False, False, bounds))
+        for bd in (dtype, "float32")
+        for bounds in (False, True)
+    ]
     builds += [(fused_fwd_opath_kernel, (Hqk, Hv, K, V, dtype, profile, has_h0)) for has_h0 in (False, True)]
     for bv in BLOCK_V_CHOICES:
         for has_h0 in (False, True):

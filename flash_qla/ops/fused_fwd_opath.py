@@ -71,11 +71,14 @@ read under Sᵀ Kᵀ rather than after it, 1.1-1.5 µs more (2/8 145.2-145.8 -> 
 forward takes this walk for o alone wherever flash_qla.ops.forward.o_path_pays says it pays: where
 its walk over whole sequences would run at 64 columns, at 32 from ~19 sequence-heads, and at 128 from ~119
 (v48: 0.5-2 % faster there, 10 % at 16/16 8x4096; in v38, before V's read moved, 2.4-3.6 % slower at
-16/32, 8/32, 4/16, 16/64, 16/48 8x4096; a split's pieces walk as before), but never where that walk would run at 128
-columns and no sequence has a fifth chunk: the two O warpgroups take alternate chunks and hide each one's P under the
-later chunks' chains, and this walk has twice that walk's blocks (flash_qla.ops.forward.SHORT_CHUNKS; H100, 2/8 over
-1024 sequences of 8 tokens 648.8 against 494.9 µs at 128 columns, over 170 of 192 201.7 against 192.2,
-benchmark/NOTES.md sessions 73 and 76). A training forward keeps
+16/32, 8/32, 4/16, 16/64, 16/48 8x4096), and over a split's pieces by the same model (the pieces are its sequences:
+their token bounds and first chunks as cu_seqlens and chunk_offsets, their start states as h0, their end states as
+ht; H100, inference forward, 0.84-0.94x, e.g. 16/32 28672+4096 810.0 -> 753.5 µs, 16/16 16384+16384 490.1 -> 413.6,
+benchmark/NOTES.md v85 step 6), but never where that walk would run at 128 columns and no sequence has a fifth
+chunk: the two O warpgroups take alternate chunks and hide each one's P under the later chunks' chains, and this
+walk has twice that walk's blocks (flash_qla.ops.forward.SHORT_CHUNKS; H100, 2/8 over 1024 sequences of 8 tokens
+648.8 against 494.9 µs at 128 columns, over 170 of 192 201.7 against 192.2, benchmark/NOTES.md sessions 73 and
+76). A training forward keeps
 kkt_solve's P for the backward and walks with fused_fwd_wide (this walk with that P loaded into
 the O warpgroups' registers instead of formed: 99-100 µs against fused_fwd_wide's 93 at 2/8
 8x4096, v38 step 6), and the low-level forward's h is fused_fwd_wide's.

@@ -16,7 +16,10 @@ while formed in the 64-column forward walk (o bitwise equal) it made the walk 93
 its exponentials and staging land on the walk's one dependent chain. Formed beside the chain
 instead, on two warpgroups of their own taking alternate chunks (fused_fwd_opath), it costs
 that walk less than it saves here: an inference forward at 64 columns runs this kernel without
-P (FORM_P off: no q, no Q Kᵀ, no P), 2/8 8x4096 forward 157.6 -> 150.3 µs (v37).
+P (FORM_P off: no q, no Q Kᵀ, no P), 2/8 8x4096 forward 157.6 -> 150.3 µs (v37); so does one whose O-path
+walk takes a split's pieces, with the bounds (BOUNDS) its map and offsets walks skip by: H100, kkt_solve alone
+at 16/32 1x32768 241.7 µs with P, 171.7 without (v85 step 1), the inference forward at 16/32 28672+4096 810.0 ->
+753.5 µs (v85 step 6).
 
 Inputs (packed varlen, T tokens in all;
 the token-major tensors, outputs too, passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
@@ -35,7 +38,7 @@ Outputs (then slots, int, the grid's chunk slots, the last argument):
                          columns each: computing them there took 32 exponentials a thread)
     A, P    [T, Hv, C]   input dtype (P with FORM_P); row t holds row (t − chunk start) of its
                          chunk's matrix; columns past the row (and past the chunk's end) are 0
-    log_norms [Hv, slots] fp32 (with P and BOUNDS): L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|), a bound on the
+    log_norms [Hv, slots] fp32 (with BOUNDS): L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|), a bound on the
                          log of the norm of the chunk's state transition (the split walks' skips,
                          flash_qla.ops.context_parallel)
 
@@ -281,9 +284,10 @@ def kkt_solve_kernel(
     needs P and chunk-major γ again, and where its walk splits the bounds its map and end walks skip
     by (the forward mode's bits; β is read for them only); a training backward takes the forward's own
     (flash_qla.ops.backward).
-    FORM_P off: no P (the kernel takes neither q nor P: arguments k, g, ..., A, slots), for
-    fused_fwd_opath, which forms P itself; and no log_norms, which are formed with P.
-    BOUNDS off (backward mode only): no log_norms (the argument is not written) and β not read.
+    FORM_P off (forward mode): no P (the kernel takes neither q nor P: arguments k, g, ..., A,
+    [log_norms,] slots), for fused_fwd_opath, which forms P itself; log_norms with BOUNDS only (the
+    O-path walk over the pieces of a split, whose map and offsets walks skip by them).
+    BOUNDS off: no log_norms (the argument is not written); in the backward mode β is then not read.
     The bounds cost the backward mode K Kᵀ's product for its diagonal, β's loads and registers (76 ->
     90 a thread): low-level backward 16/32 8x4096 2.00 -> 2.05 ms, 2/8 8x4096 0.538 -> 0.551 on the
     H200 where every call formed them, so only a split backward does: 4/16 1x32768 1.671 -> 1.551 ms,
@@ -293,8 +297,8 @@ def kkt_solve_kernel(
     (170.1 before).
     """
     assert beta_dtype in (dtype, "float32")
-    assert BOUNDS or BACKWARD, "the forward mode forms the bounds with P"
-    assert BOUNDS or beta_dtype == "float32", "without the bounds β is not read: no variant per dtype"
+    assert BOUNDS or not FORM_P or BACKWARD, "the forward mode forms the bounds with P"
+    assert BOUNDS or not BACKWARD or beta_dtype == "float32", "without the bounds β is not read: no variant per dtype"
     assert FORM_P or not BACKWARD, "the backward mode is there to form P"
     KKT = not BACKWARD or BOUNDS  # K Kᵀ formed: for the solve, or its diagonal for the bounds
     C = profile.chunk
@@ -320,7 +324,7 @@ def kkt_solve_kernel(
                 p_s = T.alloc_shared([C, C + P_PAD], dtype)  # P staged for its store, rows padded
             gam_s = T.alloc_shared([C], accum)
             beta_s = T.alloc_shared([C], accum)
-            if FORM_P and BOUNDS:
+            if BOUNDS:
                 diag_s = T.alloc_shared([C], accum)  # K Kᵀ's diagonal after β: β_i ‖k_i‖² (log_norms)
             # M (strictly lower), overwritten block by block with X = (I + M)⁻¹: each M block is
             # read (diagonal blocks into registers, M₂₁ into T₁) before X takes its place
@@ -393,9 +397,8 @@ def kkt_solve_kernel(
                     # the bound on the chunk's transition norm (flash_qla.ops.context_parallel): token
                     # i's factor grows the state by at most max(1, |1 − β_i ‖k_i‖²|), β_i ‖k_i‖² on the
                     # diagonal here (Γ_ii = 1), kept for one warp's logarithms at the end (in this pass, a
-                    # guarded logarithm per element held cost 8 % of the kernel's instructions). Formed with
-                    # P only (the O-path walk's kkt_solve serves no split)
-                    if FORM_P and BOUNDS and i == j:
+                    # guarded logarithm per element held cost 8 % of the kernel's instructions)
+                    if BOUNDS and i == j:
                         diag_s[i] = KK[i, j]
                     if not BACKWARD:
                         KK[i, j] = T.if_then_else(j < i and i < valid, KK[i, j], 0.0)
@@ -425,7 +428,7 @@ def kkt_solve_kernel(
                         if row < valid:
                             for c in T.vectorized(4):
                                 A[t0 + row, ih, tx % 16 * 4 + c] = x_s[row, tx % 16 * 4 + c] * bcol[c]
-                if FORM_P and BOUNDS and tx < 32:  # L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|), two tokens a lane
+                if BOUNDS and tx < 32:  # L = γ_L + Σ_i ln max(1, |1 − β_i ‖k_i‖²|), two tokens a lane
                     for r in T.unroll(2):
                         pair[r] = T.if_then_else(
                             tx + 32 * r < valid, T.max(T.log(T.abs(1.0 - diag_s[tx + 32 * r])), 0.0), 0.0
@@ -453,6 +456,24 @@ def kkt_solve_kernel(
         ):
             q, k, g, beta, g_cum, A, P = token_major(q, k, g, beta, g_cum, A, P)
             kkt_solve_body(q, k, g, beta, chunk_table, g_cum, gamma, gates, A, P, log_norms, slots)
+
+    elif BOUNDS:
+
+        @T.prim_func
+        def kkt_solve(
+            k: T.Tensor([1, tokens, Hqk, K], dtype),
+            g: T.Tensor([1, tokens, Hv], accum),
+            beta: T.Tensor([1, tokens, Hv], beta_dtype),
+            chunk_table: T.Tensor([n_slots, 2], "int32"),
+            g_cum: T.Tensor([1, tokens, Hv], accum),
+            gamma: T.Tensor([Hv, n_slots, C], accum),
+            gates: T.Tensor([Hv, n_slots, 2, C], accum),
+            A: T.Tensor([1, tokens, Hv, C], dtype),
+            log_norms: T.Tensor([Hv, n_slots], accum),
+            slots: T.int32,
+        ):
+            k, g, beta, g_cum, A = token_major(k, g, beta, g_cum, A)
+            kkt_solve_body(None, k, g, beta, chunk_table, g_cum, gamma, gates, A, None, log_norms, slots)
 
     else:
 

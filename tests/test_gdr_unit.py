@@ -342,8 +342,8 @@ def test_split_inference_keeps_its_pieces_in_scratch(monkeypatch):
     """A split inference call keeps the pieces' buffers (D, b, start and end states) in scratch with kkt_solve's
     outputs (flash_qla.ops.buffers.scratch), the same ones for the next call, poisoned here. The first call's
     map walk is held back on its stream by a device sleep, so that the second call's kkt_solve, queued right after,
-    would overwrite A and P under it but for the join: both calls give the low-level forward's o and final state
-    (the same route, its buffers its own) bitwise."""
+    would overwrite A and the bounds under it but for the join: both calls give the low-level forward's o and final
+    state (the same route, its buffers its own) bitwise."""
     from flash_qla.ops import buffers
 
     case = Case("split_scratch", (9000,), heads=(2, 8), gate="weak")  # no map negligible: every D read
@@ -359,7 +359,8 @@ def test_split_inference_keeps_its_pieces_in_scratch(monkeypatch):
 
     first = flash_qla.chunk_gated_delta_rule(**inputs[0], cu_seqlens=cu, output_final_state=True)
     pointers = kept()
-    assert len(pointers) == 6 + 4, "kkt_solve's outputs with P, then D, b, starts and ends"
+    # the pieces walked by the O path (flash_qla.ops.forward.walk_plan): kkt_solve forms no P
+    assert len(pointers) == 5 + 4, "kkt_solve's outputs with the bounds, then D, b, starts and ends"
     first = [t.clone() for t in first]
     for _, tensors in buffers._scratch.values():
         for t in tensors:

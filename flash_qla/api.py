@@ -176,11 +176,15 @@ def chunk_gated_delta_rule(
         long sequences over few heads (one sequence of about 8192 tokens or more at up to 32
         v-heads where its model says the pieces fill the GPU better, flash_qla.ops.forward.splits_forward,
         or a few such sequences over few heads; with a gradient to compute also where only its
-        backward gains, e.g. 16/32 at one sequence of 12288) in pieces of 32 chunks that run in
+        backward gains, e.g. 16/48 at 28672+4096 tokens, but not where the forward keeps every state
+        for it and fills the GPU's SMs without splitting, e.g. 16/32 at 8192) in pieces of 32 chunks that run in
         parallel, each from its exact start state
         (DESIGN.md §1's exact route: o and final_state agree with the unsplit walk within
         rounding; the walks that find the start states leave out the chunks whose effect the gates
-        decay below 2^-24 of a state, flash_qla.ops.context_parallel). With a gradient to compute,
+        decay below 2^-24 of a state, flash_qla.ops.context_parallel). The planner assumes gates
+        like a model's, most heads decaying; where every head's gate barely decays (g ≈ −1e-3
+        everywhere) those walks leave nothing out and a split forward can take 1.2-1.3x the
+        unsplit one: auto_cp=False walks whole (benchmark/NOTES.md v86). With a gradient to compute,
         the GPU forward keeps the state every 32 chunks (fp32, at most (T // 64 + N) // 32 + N + 1 states a call,
         saved for the backward) when long sequences over few heads would leave the backward's
         state recompute with too few blocks (and whenever the forward split: the pieces' start states are those states),
@@ -204,8 +208,10 @@ def chunk_gated_delta_rule(
         2.522 ms; what the forward keeps for the backward at 16/32 over 8 x 4096 tokens 268 ->
         788 MiB, one call's peak unchanged (the backward's recompute allocates the states
         anyway). The gradients are the same either way: the forward walks the states with the
-        recompute's arithmetic (bitwise equal in every case tested). Ignored without a gradient
-        to compute and on the PyTorch path.
+        recompute's arithmetic (bitwise equal in every case tested), except where the choice moves
+        the split (auto_cp: a forward keeping its states walks whole where the whole walk keeps
+        32 chains busy, e.g. 16/32 at 8192 tokens), which agrees within rounding. Ignored without
+        a gradient to compute and on the PyTorch path.
 
     Returns
     -------

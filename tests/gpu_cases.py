@@ -29,6 +29,16 @@ class Case:
     extra: dict = field(default_factory=dict)
 
 
+def planned_walk(seqlens, Hv, training=False, output_h=False, auto_cp=True, dtype=torch.bfloat16):
+    """flash_qla.ops.forward.walk_plan on SM90 at K = V = 128, asked as forward_plan asks it by default: a training
+    forward keeps its states where keeps_states says so (keep_states=None)."""
+    from flash_qla.arch import SM90
+    from flash_qla.ops.forward import keeps_states, walk_plan
+
+    keep = keeps_states(None, training, output_h, sum(seqlens), Hv, 128, 128, dtype, SM90)
+    return walk_plan(seqlens, Hv, 128, SM90, auto_cp, training, output_h, keep)
+
+
 def record_calls(monkeypatch, module, name):
     """Wrap module.name (for the test's duration) so that each call's arguments are appended to the
     returned list: which route a planner took, seen from outside."""

@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from gpu_cases import CASES, OUTPUT_H_CASES, SPLIT_CASES
+from gpu_cases import CASES, OUTPUT_H_CASES, SPLIT_CASES, planned_walk
 
 from flash_qla.arch import SM90, profile_by_name, unsupported_reason
 from flash_qla.ops.backward import backward_kernel_builds, beside_widths, grads_parts
@@ -186,7 +186,38 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
 def test_o_path_walk_only_for_o_alone_where_it_pays(seqlens, Hv, training, output_h, expected):
     """fused_fwd_opath (with kkt_solve forming no P) runs where only o and the final state are asked
     for and the model says kkt_solve's saving pays for its walk (o_path_pays; measured pairs)."""
-    assert walk_plan(seqlens, Hv, 128, SM90, True, training, output_h) == expected
+    assert planned_walk(seqlens, Hv, training, output_h) == expected
+
+
+@pytest.mark.parametrize(
+    "seqlens,Hv,expected",
+    [  # H100, training step, states kept, whole / split µs (benchmark/NOTES.md v86)
+        ((8192,), 32, False),  # 749.2 / 839.6
+        ((8192, 8192), 16, False),  # 804.9 / 920.2
+        ((8192,) * 4, 8, False),  # 733.4 / 734.8
+        ((16384,), 32, False),  # 1468.4 / 1558.2
+        ((16384, 16384), 16, False),  # 1572.3 / 1698.5
+        ((8192,), 16, True),  # 524.3 / 507.7
+        ((20000,), 16, True),  # 1201.1 / 1013.2
+        ((6000, 5000), 8, True),  # 374.1 / 324.0
+        ((16384,), 24, True),  # 1288.5 / 1173.5
+        ((32768,), 16, True),  # 2009.6 / 1718.5
+        ((8192,) + (100,) * 40, 16, True),  # the short sequences count for their share of the walk's time
+        ((28672, 4096), 16, True),  # 18.3 chains on average: the 4096 tokens walk an eighth of the time
+    ],
+    ids=["1x8192_32_heads", "8192x2_16_heads", "8192x4_8_heads", "1x16384_32_heads", "16384x2_16_heads",
+         "1x8192_16_heads", "1x20000_16_heads", "6000+5000_8_heads", "1x16384_24_heads", "1x32768_16_heads",
+         "8192_and_short_16_heads", "28672+4096_16_heads"],  # fmt: skip
+)
+def test_training_forward_keeping_its_states_splits_below_a_wave_of_chains(seqlens, Hv, expected):
+    """A training forward that keeps every state walks whole where the whole walk keeps KEPT_STATES_SPLIT_CHAINS
+    chains busy on average, v-heads x the sequences' chunks over the longest's (there the margin fitted on
+    recomputing backwards split where the whole walk ran faster); fewer, it splits where the margin says so.
+    Recomputing, the margin alone."""
+    assert splits_forward(seqlens, Hv, 128, SM90, True, keep_states=True) == expected
+    assert walk_plan(seqlens, Hv, 128, SM90, True, True, False, True)[0] == expected
+    assert splits_forward(seqlens, Hv, 128, SM90, True, keep_states=False)  # every row splits by the margin
+    assert keeps_states(None, True, False, sum(seqlens), Hv, 128, 128, torch.bfloat16, SM90)  # by default
 
 
 @pytest.mark.parametrize(
@@ -205,8 +236,8 @@ def test_o_path_walk_only_for_o_alone_where_it_pays(seqlens, Hv, training, outpu
          "8x4096_32_heads", "1x32768_8_heads", "28672+4096_48_heads"],  # fmt: skip
 )
 def test_training_forward_splits_where_its_backward_gains(seqlens, Hv, expected):
-    """A training forward hands its maps to the backward, which then splits without a map walk: it
-    splits up to TRAINING_SPLIT_GAIN of the whole walk, beyond the inference margin."""
+    """A training forward hands its maps to the backward, which then splits without a map walk: recomputing its
+    states (measured so, v49), it splits up to TRAINING_SPLIT_GAIN of the whole walk, beyond the inference margin."""
     assert splits_forward(seqlens, Hv, 128, SM90, True) == expected
 
 
@@ -376,7 +407,7 @@ def test_walks_over_pieces_only_where_their_grid_fits(empty, pieces):
     assert pieces_fit_the_grid(seqlens, SM90) == pieces == (len(seqlens) + slots // SM90.checkpoint_chunks <= 65535)
     for training in (False, True):
         assert splits_forward(seqlens, 8, 128, SM90, training) == pieces
-        assert walk_plan(seqlens, 8, 128, SM90, True, training, False)[0] == pieces
+        assert planned_walk(seqlens, 8, training)[0] == pieces
     assert splits_backward(seqlens, 8, 128, SM90) == pieces
     assert keeps_checkpoints(seqlens, 8, 128, SM90) == pieces
 
@@ -476,7 +507,7 @@ def test_short_sequences_share_blocks(seqlens, Hv, per_block, monkeypatch):
     from flash_qla.ops import forward
 
     chunks = [-(-n // SM90.chunk) for n in seqlens]
-    split, BV, opath = walk_plan(seqlens, Hv, 128, SM90, True, False, False)
+    split, BV, opath = planned_walk(seqlens, Hv)
     assert sequences_per_block(chunks, Hv, 128, BV, SM90) == (1 if split or opath else per_block)
     if per_block > 1:  # the walk's blocks at 128 columns
         assert -(-len(seqlens) // per_block) * Hv <= forward.PACK_WAVES * SM90.num_sms
@@ -527,7 +558,9 @@ def test_gpu_cases_reach_every_forward_walk(dtype, mode):
         if case.dtype != dtype:
             continue
         seqlens = (case.dense[1],) * case.dense[0] if case.dense else case.seqlens
-        split, BV, opath = walk_plan(seqlens, case.heads[1], 128, SM90, auto_cp, mode == "training", mode == "output_h")
+        split, BV, opath = planned_walk(
+            seqlens, case.heads[1], mode == "training", mode == "output_h", auto_cp, case.dtype
+        )  # fmt: skip
         reached.add("split" if split else "opath" if opath else BV)
         if mode == "inference" and not (split or opath):
             reached.add("packed" if sequences_per_block([-(-n // 64) for n in seqlens], case.heads[1], 128, BV, SM90) > 1 else BV)

@@ -16,8 +16,8 @@ import flash_qla
 from flash_qla.reference.chunked import chunk_gated_delta_rule_fwd_ref
 from flash_qla.reference.inputs import make_inputs
 from gpu_cases import (
-    CASES, FWD_TOL, OUTPUT_H_CASES, SPLIT_CASES, Case, case_inputs, patch_planner, record_calls, rel_l2, short_seqlens,
-    strided,
+    CASES, FWD_TOL, OUTPUT_H_CASES, SPLIT_CASES, Case, case_inputs, patch_planner, planned_walk, record_calls, rel_l2,
+    short_seqlens, strided,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -84,10 +84,7 @@ ISOLATION_CASES = [  # (walk, heads, sequence lengths, training)
 
 def isolation_inputs(walk, heads, seqlens, training):
     """The case's clean inputs, cu_seqlens, dO and dht (training), after checking that the planner takes walk."""
-    from flash_qla.arch import SM90
-    from flash_qla.ops.forward import walk_plan
-
-    split, BV, opath = walk_plan(seqlens, heads[1], 128, SM90, True, training, False)
+    split, BV, opath = planned_walk(seqlens, heads[1], training)
     assert walk == ("split" if split else "opath" if opath else ("narrow" if BV < 64 else "wide") + str(BV))
     x, cu, _ = case_inputs(Case("isolation", seqlens, heads=heads), seed=zlib.crc32(walk.encode()))
     gen = torch.Generator().manual_seed(5)
@@ -772,10 +769,10 @@ def test_no_recompile_across_batch_shapes(monkeypatch):
     import tilelang
 
     from flash_qla.arch import SM90
-    from flash_qla.ops.forward import sequences_per_block, walk_plan
+    from flash_qla.ops.forward import sequences_per_block
 
     def route(seqlens):
-        split, BV, opath = walk_plan(seqlens, 8, 128, SM90, True, False, False)
+        split, BV, opath = planned_walk(seqlens, 8)
         packed = sequences_per_block([-(-n // SM90.chunk) for n in seqlens], 8, 128, BV, SM90) > 1
         return split, BV, opath, packed
 

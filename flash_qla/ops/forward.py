@@ -220,6 +220,19 @@ SPLIT_FIXED_US = 3.6
 # 3085.5, 16/32 28672+4096 2771.2 / 3357.8 (model 0.83-0.88), 16/32 1x12288 1183.2 / 1187.5 (model 1.08); 16/64
 # 28672+4096 5274.7 / 5158.0 (model 1.14), 16/32 2x16384 2756.7 / 2514.8 (model 1.51).
 TRAINING_SPLIT_GAIN = 1.1
+# A training forward that keeps every state (keeps_states) leaves its backward no state recompute to shorten, and the
+# margin above (fitted when both routes recomputed) splits where the whole walk wins: it walks whole where the whole
+# walk keeps KEPT_STATES_SPLIT_CHAINS chains busy on average (v-heads x the sequences' chunks over the longest's:
+# 32, a wave of blocks at 32 columns; a short sequence beside a long one counts for its share of the time). H100,
+# training step, states kept, whole / split, µs (benchmark/NOTES.md v86): 32 chains, split
+# by the margin, 16/32 1x8192 749.2 / 839.6, 8/32 1x8192 728.9 / 797.0, 4/16 8192x2 735.1 / 806.8, 16/16 8192x2
+# 804.9 / 920.2, 2/8 8192x4 733.4 / 734.8, 16/32 1x12288 1102.6 / 1198.2, 16/32 1x16384 1468.4 / 1558.2, 8/32
+# 1x16384 1448.5 / 1479.5, 4/16 16384+16384 1449.0 / 1492.6, 16/16 16384+16384 1572.3 / 1698.5; fewer, where the
+# split still pays: 16 chains 16/16 1x8192 524.3 / 507.7, 4/16 1x8192 499.7 / 450.3, 4/16 1x20000 1201.1 / 1013.2,
+# 16/16 1x32768 2009.6 / 1718.5, 14.7 2/8 6000+5000 374.1 / 324.0, 8 chains 2/8 1x8192 415.7 / 264.4, 24 chains 8/24
+# 1x16384 1288.5 / 1173.5 (8/24 1x8192 651.6 / 665.7 and 1x12288 968.0 / 971.7 split too, within 2 %). Without the
+# states kept the margin stands (16/32 1x32768, recomputing: 3261.7 / 3106.3).
+KEPT_STATES_SPLIT_CHAINS = 32
 # The low-level backward (no forward's maps) splits only up to BACKWARD_SPLIT_GAIN: it walks the maps itself and its
 # end walk besides, against a whole backward that hides the state recompute beside its walk. H200, split / whole, ms
 # (benchmark/NOTES.md v14, v15, v49): 2/8 1x32768 (model 0.31) 1.223 / 1.650, 2/8 16384x2 (0.56) 0.921 / 1.007, 4/16
@@ -252,13 +265,17 @@ def split_ratio(seqlens, Hv: int, V: int, profile: ArchProfile, unequal: bool = 
     return split / walk_time(len(chunks), max(chunks), Hv, V, profile, FORWARD_CHUNK_US)
 
 
-def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: bool = False) -> bool:
+def splits_forward(
+    seqlens, Hv: int, V: int, profile: ArchProfile, training: bool = False, keep_states: bool = False
+) -> bool:
     """Whether the forward walks its sequences in pieces (split_ratio at most SPLIT_GAIN).
 
     Pays where sequences are long and Hv · V / BV chains leave SMs idle: a single sequence from 6401 tokens at 8
     v-heads; at 16-32 where the pieces fill their waves (16/32, inference: 7617-8192, 15105-16384, 22465-22528,
     22593-24576, 29953-32768 tokens, ...; not 12288); never above 32; or a few such sequences over few heads.
-    training: the forward of a training step (its maps go to the backward), which splits up to TRAINING_SPLIT_GAIN.
+    training: the forward of a training step (its maps go to the backward), which splits up to TRAINING_SPLIT_GAIN;
+    keep_states: that forward keeps every state (keeps_states), and then walks whole where the whole walk keeps
+    KEPT_STATES_SPLIT_CHAINS chains busy on average (16/32 1x8192: 749 µs whole against 840 split, H100).
 
     The inference forward weighs the split against the whole walk at the sequences' own lengths (split_ratio's
     unequal); the training forward against every sequence as long as the longest, the model its margin was
@@ -270,6 +287,9 @@ def splits_forward(seqlens, Hv: int, V: int, profile: ArchProfile, training: boo
     if not pieces_fit_the_grid(seqlens, profile):
         return False
     if training:
+        chunks = [-(-n // profile.chunk) for n in seqlens]
+        if keep_states and Hv * sum(chunks) >= KEPT_STATES_SPLIT_CHAINS * max(chunks):  # the whole walk's chains
+            return False
         return split_ratio(seqlens, Hv, V, profile) <= TRAINING_SPLIT_GAIN
     return split_ratio(seqlens, Hv, V, profile, unequal=True) <= SPLIT_GAIN
 
@@ -361,8 +381,11 @@ def sequences_per_block(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) 
     return -(-len(chunks) // groups)
 
 
-def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, training: bool, output_h: bool):
-    """(split, BV, opath): whether the walk splits the sequences into pieces; the V-tile width of the walk
+def walk_plan(
+    seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, training: bool, output_h: bool, keep_states: bool
+):
+    """(split, BV, opath): whether the walk splits the sequences into pieces (splits_forward; keep_states: a training
+    forward that keeps every state, keeps_states); the V-tile width of the walk
     over whole sequences (over the pieces: None, forward_plan's choose_block_v); and whether that walk is
     fused_fwd_opath (at 64 columns, with kkt_solve forming no P: o alone, no training, no h, where o_path_pays,
     over the sequences or over the pieces as sequences from their start states).
@@ -372,7 +395,7 @@ def walk_plan(seqlens, Hv: int, V: int, profile: ArchProfile, auto_cp: bool, tra
     (736.6 / 806.6 timed again), 16/16 28672+4096 442.3 / 500.0, 16/16 16384+16384 413.6 / 490.1, 4/16 16384+16384
     375.8 / 399.4, 2/8 8192x4 186.5 / 199.0; final states bitwise equal, o within 2.5e-5. The saving is
     kkt_solve's P (70 µs at 16/32 over 32768 tokens); the O-path walk over the pieces took 0.96-1.03x the other's."""
-    split = auto_cp and splits_forward(seqlens, Hv, V, profile, training)
+    split = auto_cp and splits_forward(seqlens, Hv, V, profile, training, keep_states)
     if split:
         pieces = piece_chunks(seqlens, profile.chunk, profile.checkpoint_chunks)
         BV = choose_block_v(len(pieces), Hv, V, profile)
@@ -502,7 +525,7 @@ def forward_plan(
     N = len(seqlens)
     name = DTYPE_NAMES[dtype]
     f32 = torch.float32
-    split, BV, opath = walk_plan(seqlens, Hv, V, profile, auto_cp, training, output_h)
+    split, BV, opath = walk_plan(seqlens, Hv, V, profile, auto_cp, training, output_h, keep_states)
     per_block = 1
     if not (split or opath or training or output_h):
         per_block = sequences_per_block([-(-n // profile.chunk) for n in seqlens], Hv, V, BV, profile)

@@ -231,7 +231,9 @@ TRAINING_SPLIT_GAIN = 1.1
 # split still pays: 16 chains 16/16 1x8192 524.3 / 507.7, 4/16 1x8192 499.7 / 450.3, 4/16 1x20000 1201.1 / 1013.2,
 # 16/16 1x32768 2009.6 / 1718.5, 14.7 2/8 6000+5000 374.1 / 324.0, 8 chains 2/8 1x8192 415.7 / 264.4, 24 chains 8/24
 # 1x16384 1288.5 / 1173.5 (8/24 1x8192 651.6 / 665.7 and 1x12288 968.0 / 971.7 split too, within 2 %). Without the
-# states kept the margin stands (16/32 1x32768, recomputing: 3261.7 / 3106.3).
+# states kept the margin stands (16/32 1x32768, recomputing: 3261.7 / 3106.3). Under KEEP_STATES_MAX_BYTES the rule
+# meets sequences of at most 16384 tokens (32 chains x 16384 tokens x 512 bytes = 256 MiB), the range measured; longer
+# ones keep their states only where keep_states=True forces it, not measured there.
 KEPT_STATES_SPLIT_CHAINS = 32
 # The low-level backward (no forward's maps) splits only up to BACKWARD_SPLIT_GAIN: it walks the maps itself and its
 # end walk besides, against a whole backward that hides the state recompute beside its walk. H200, split / whole, ms

@@ -1,5 +1,6 @@
 """CPU checks of the kernels' host-side logic: chunk bookkeeping, V-tile choice, precompile CLI and its kernel lists."""
 
+import itertools
 import os
 
 import pytest
@@ -869,3 +870,89 @@ def test_precompile_lists_the_kept_states_walks():
     assert len(builds) == len(set(builds)) == len(BLOCK_V_CHOICES) * 2
     others = forward_kernel_builds(SM90, 16, 32, "bfloat16") + backward_kernel_builds(SM90, 16, 32, "bfloat16")
     assert not set(builds) & set(others)
+
+
+# A layout for each GVA ratio (1, 2, 3, 4, 8) and few v-heads (the narrow walks), over patterns that reach every
+# route: varlen edges, many short sequences (packed walks), one or two chunks past a wave, pieces with a partial
+# last one, one and two long sequences (split), several sequences of 4096, long and short ones with an empty one
+PLANNED_LAYOUTS = [(4, 4), (16, 32), (8, 24), (4, 16), (2, 16), (2, 8)]
+PLANNED_SEQLENS = [
+    (0, 1, 63, 64, 65, 129), (89,) * 150, (2048,), (2049,), (9000,), (32768,), (4096,) * 8, (16384, 16384),
+    (5000, 0, 70, 9000),
+]  # fmt: skip
+KERNEL_FACTORIES = (
+    "kkt_solve_kernel", "fused_fwd_kernel", "fused_fwd_wide_kernel", "fused_fwd_opath_kernel", "compose_maps_kernel",
+    "fused_bwd_kernel", "fused_bwd_wide_kernel", "chunk_grads_kernel",
+)  # fmt: skip
+
+
+def plans_ask_for(monkeypatch, seqlens_list, Hqk, Hv, dtype):
+    """(kernels, builds): the kernels forward_plan and backward_plan ask for over these patterns with every option a
+    caller can pass (β in q's dtype or fp32, h0, dht, auto_cp; inference, the low-level forward with output_h and its
+    backward; training with keep_states None, True or False and the backward it hands over to), and the kernels
+    precompile builds for the layout; each as (factory name, its build's arguments bound, defaults filled in). The
+    factories record instead of compiling; the plans made here are dropped after."""
+    import inspect
+
+    from gpu_cases import drop_plans
+
+    from flash_qla.ops import backward, forward
+
+    asked = set()
+
+    def recording(factory):
+        signature = inspect.signature(factory.__wrapped__)
+
+        def record(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            key = (factory.__name__, tuple(bound.arguments.values()))
+            asked.add(key)
+            return key
+
+        return record
+
+    for module in (forward, backward):
+        for name in KERNEL_FACTORIES:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, recording(getattr(module, name)))
+        monkeypatch.setattr(module, "executable", lambda kernel: kernel)
+        monkeypatch.setattr(module, "get_profile", lambda device: SM90)
+    monkeypatch.setattr(backward, "multiprocessors", lambda device: SM90.num_sms)
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    jobs = forward_kernel_builds(SM90, Hqk, Hv, name) + kept_states_kernel_builds(SM90, Hqk, Hv, name)
+    builds = {factory(*args) for factory, args in jobs + backward.backward_kernel_builds(SM90, Hqk, Hv, name)}
+    asked.clear()
+    device = torch.device("cuda", 0)
+    runs = [(False, False, None), (False, True, None)]  # (training, output_h, keep_states)
+    runs += [(True, False, keep) for keep in (None, True, False)]
+    drop_plans()
+    try:
+        for seqlens in seqlens_list:
+            T = sum(seqlens)
+            for beta_dtype, h0, auto_cp, (training, output_h, keep) in itertools.product(
+                (dtype, torch.float32), (False, True), (True, False), runs
+            ):
+                plan = forward.forward_plan(
+                    device, T, seqlens, Hqk, Hv, 128, 128, dtype, beta_dtype, h0, output_h, auto_cp, training, keep
+                )  # fmt: skip
+                # what the forward hands the backward over (flash_qla.ops.forward._forward_kernels' returns)
+                checkpoints = training and (plan.keeps_checkpoints or (plan.split and not plan.keep_states))
+                for dht in (False, True):
+                    backward.backward_plan(
+                        device, T, seqlens, Hqk, Hv, 128, 128, dtype, beta_dtype, training, plan.keep_states,
+                        checkpoints, training and plan.split, h0, dht, auto_cp,
+                    )  # fmt: skip
+    finally:
+        drop_plans()
+    return asked, builds
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", PLANNED_LAYOUTS, ids=lambda h: f"{h[0]}/{h[1]}")
+def test_precompile_builds_every_kernel_the_plans_ask_for(monkeypatch, heads, dtype):
+    """A precompiled cache serves every call of its layout: no kernel the planners can pick (any route, width,
+    flag or dβ dtype) is missing from precompile's lists, so a deployment does not stall on a compile."""
+    asked, builds = plans_ask_for(monkeypatch, PLANNED_SEQLENS, *heads, dtype)
+    assert {name for name, _ in asked} == set(KERNEL_FACTORIES)  # every stage's routes planned here
+    assert asked <= builds, sorted(asked - builds)

@@ -113,8 +113,12 @@ formed per v-head, not kept through it: their 32 registers a thread are what let
 everything else in registers; Γ's exponentials are formed while the four run: training step 16/32
 8x4096 2.420 -> 2.411 ms, 2/8 0.675 -> 0.673, gradients bitwise equal, benchmark/NOTES.md v29), N
 v_new accumulated onto U (W), Pᵀ dO − Nᵀ dU, and the reductions.
-dq and dk are staged in v_new's tile, one after the other, for whole-row 16-byte stores (from the
-accumulators a store writes 4 bytes of a row).
+dq and dk are staged for whole-row 16-byte stores (from the accumulators a store writes 4 bytes of a
+row), dq in v_new's tile and dk in K dS''s (swizzled for stmatrix), both free at an item's end: 3 barriers
+there where staging both in v_new's tile, one after the other, took 5 (training step, H100, one process,
+interleaved: 16/32 1x2048 210.8 -> 208.3 µs, 32/32 1x2048 225.1 -> 222.7, 16/16 1x2048 152.0 -> 151.5,
+2/8 1x2048 119.8 -> 120.3, the 8192- and 32768-token rows within 0.2 %; gradients bitwise equal;
+benchmark/NOTES.md v87 step 3).
 The four [C, C] terms of dq and dk are issued without a wait before dβ and dγ, whose
 reductions and scan use no tensor cores, and waited for after them (1.390 -> 1.375
 ms at 16/32 8x4096, 1.391 -> 1.367 at 1x32768; benchmark/NOTES.md v11 step 6).
@@ -146,6 +150,7 @@ within 1.1e-5 and dg 2.5e-7 (relative: the sums' order changed).
 
 import tilelang
 import tilelang.language as T
+from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
@@ -168,7 +173,7 @@ def chunk_grads_kernel(
     VHEADS = GROUPS // PARTS  # an item's v-heads
     PER_SLOT = Hqk * PARTS  # items a chunk slot
     assert K % C == 0, "⟨S, dS'⟩ folds K rows onto C"
-    assert K == V, "dq and dk are staged in v_new's tile"
+    assert K == V, "dq and dk are staged in [C, V] tiles"
     # a wgmma accumulator's rows are 4 warps of 16 (the column sums' four parts), and warp 0 holds
     # dγ's rows as two halves of 32 (the scan and the last token's totals)
     assert C == 64, "chunk_grads is written for chunks of 64 tokens"
@@ -230,17 +235,15 @@ def chunk_grads_kernel(
         T.async_copy(dv[t0:t0 + C, ih, :], du_s)
 
     @T.macro
-    def store_dq_dk(DQ, DK, vn_s, dq, dk, t0, valid, ihk):
-        """dq and dk of an item's chunk, staged in v_new's tile (free now) for whole-row 16-byte stores."""
+    def store_dq_dk(DQ, DK, vn_s, kd_s, dq, dk, t0, valid, ihk):
+        """dq and dk of an item's chunk, staged in v_new's tile and K dS''s (both free now) for whole-row 16-byte
+        stores."""
         T.copy(DQ, vn_s)
+        T.copy(DK, kd_s)
         for i, d in T.Parallel(C, K):
             if i < valid:
                 dq[t0 + i, ihk, d] = vn_s[i, d]
-        T.sync_threads()
-        T.copy(DK, vn_s)
-        for i, d in T.Parallel(C, K):
-            if i < valid:
-                dk[t0 + i, ihk, d] = vn_s[i, d]
+                dk[t0 + i, ihk, d] = kd_s[i, d]
 
     def next_vhead(hg, slot, t0, ih, next_item, next_t0, next_valid):
         """The block's next v-head as expressions (whether there is one, its chunk slot, first token
@@ -288,7 +291,7 @@ def chunk_grads_kernel(
             do_s = T.alloc_shared([C, V], dtype)  # dO
             du_s = T.alloc_shared([C, V], dtype)  # dU = dv
             u_s = T.alloc_shared([C, V], dtype)  # V, then U
-            kd_s = T.alloc_shared([C, V], dtype)  # diag(e^{γ_L − γ}) K dS', for dβ's products
+            kd_s = T.alloc_shared([C, V], dtype)  # diag(e^{γ_L − γ}) K dS', for dβ's products; then dk staged
             vn_s = T.alloc_shared([C, V], dtype)  # v_new, then dq and dk staged for their stores
             a_s = T.alloc_shared([C, C], dtype)
             n_s = T.alloc_shared([C, C], dtype)  # −N
@@ -297,6 +300,8 @@ def chunk_grads_kernel(
             dkk_s = T.alloc_shared([C, C], dtype)  # dN ⊙ Γ
             s_s = T.alloc_shared([K, V], dtype)  # S
             ds_s = T.alloc_shared([K, V], dtype)  # dS'
+            # dk is staged in K dS''s tile by stmatrix, 8 rows at once: swizzled 128-byte rows, else they share banks
+            T.annotate_layout({kd_s: make_full_bank_swizzled_layout(kd_s)})
             gam_s = T.alloc_shared([C], accum)  # γ as copied (the next v-head's once prefetched)
             gc_s = T.alloc_shared([C], accum, scope="shared")  # this v-head's γ
             eg_s = T.alloc_shared([C], accum, scope="shared")
@@ -560,7 +565,7 @@ def chunk_grads_kernel(
                             copy_grad_tiles(v, do, dv, u_s, do_s, du_s, n_t0, n_ih)
 
                     if PARTS == 1:
-                        store_dq_dk(DQ, DK, vn_s, dq, dk, t0, valid, ihk)
+                        store_dq_dk(DQ, DK, vn_s, kd_s, dq, dk, t0, valid, ihk)
                     else:  # the part that counts first publishes its sums; the second adds them and stores
                         if tx == 0:  # +1 arriving, +2 once the first part's sums are published
                             done_s[0] = T.atomic_add(counts[slot, ihk], 1, memory_order="relaxed", return_prev=True)
@@ -584,6 +589,6 @@ def chunk_grads_kernel(
                                 DK[i, d] += dk_first[slot, i, ihk, d]
                             if tx == 0:  # zero again for the next launch
                                 counts[slot, ihk] = 0
-                            store_dq_dk(DQ, DK, vn_s, dq, dk, t0, valid, ihk)
+                            store_dq_dk(DQ, DK, vn_s, kd_s, dq, dk, t0, valid, ihk)
 
     return tilelang.compile(chunk_grads, target=profile.target)

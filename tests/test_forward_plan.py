@@ -873,8 +873,9 @@ def test_precompile_lists_the_kept_states_walks():
 
 
 # A layout for each GVA ratio (1, 2, 3, 4, 8) and few v-heads (the narrow walks), over patterns that reach every
-# route: varlen edges, many short sequences (packed walks), one or two chunks past a wave, pieces with a partial
-# last one, one and two long sequences (split), several sequences of 4096, long and short ones with an empty one
+# route: varlen edges, many short sequences (packed walks), one sequence of 32 chunks and of 33 (a piece of one
+# chunk), pieces with a partial last one, one and two long sequences (split), eight of 4096, long and short ones
+# with an empty one
 PLANNED_LAYOUTS = [(4, 4), (16, 32), (8, 24), (4, 16), (2, 16), (2, 8)]
 PLANNED_SEQLENS = [
     (0, 1, 63, 64, 65, 129), (89,) * 150, (2048,), (2049,), (9000,), (32768,), (4096,) * 8, (16384, 16384),
@@ -919,7 +920,7 @@ def plans_ask_for(monkeypatch, seqlens_list, Hqk, Hv, dtype):
         monkeypatch.setattr(module, "executable", lambda kernel: kernel)
         monkeypatch.setattr(module, "get_profile", lambda device: SM90)
     monkeypatch.setattr(backward, "multiprocessors", lambda device: SM90.num_sms)
-    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    name = forward.DTYPE_NAMES[dtype]
     jobs = forward_kernel_builds(SM90, Hqk, Hv, name) + kept_states_kernel_builds(SM90, Hqk, Hv, name)
     builds = {factory(*args) for factory, args in jobs + backward.backward_kernel_builds(SM90, Hqk, Hv, name)}
     asked.clear()

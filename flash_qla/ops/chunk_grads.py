@@ -126,23 +126,31 @@ Against synchronous tile copies and direct stores: 16/32 8x4096 backward 3.39 ->
 1x32768 3.99 -> 3.43 (benchmark/NOTES.md v8). A chunk's first token and length come from the
 chunk table (flash_qla.ops.chunks) with one load.
 
-Barriers: a v-head waits at 10 block-wide barriers (3 for its copies, 2 before products that
-read tiles just stored, 3 after tiles are read for the last time, 2 that TileLang's planning
-adds), where it took 48. At one block of 8 warps an SM each is time no warp issues in:
+Barriers: a v-head waits at 7 block-wide barriers (3 for its copies, 2 before products that
+read tiles just stored: U, and the [C, C] operands with the small arrays, 2 after tiles are read
+for the last time), an item's end at 1 (its dq and dk staged), where a v-head took 48. The kernel
+is compiled without TileLang's thread-storage sync pass, every barrier placed here: the pass,
+which cannot tell the tiles of the one dynamic shared buffer apart, added 3 a v-head (before U's
+stmatrix, where each warp overwrites the elements it read; after v_new's product, before v_new's
+and K dS''s tiles are written; after the [C, C] products, before their operand tiles are written)
+and 2 at an item's end (before each staging stmatrix), none of which ordered an access to memory
+that another thread had written or would read (benchmark/NOTES.md v87 step 5). Without them, training
+step (H100, one process, interleaved; v88 step 1): 16/32 1x2048 210.0 -> 209.1 µs, 32/32 1x2048
+225.0 -> 223.7, 16/32 4096x8 2728.9 -> 2708.6; the gradients bitwise equal. At one block of 8 warps
+an SM each is time no warp issues in:
 - the row and column sums take none of their own: a row sum is reduced within each warpgroup's
   half of the columns and a column sum within each warp's 16 rows, by shuffles (X, Rr and Rc
   index the warpgroup or warp explicitly, so the reduction stays inside it); the halves and the
   four warps' parts go to shared memory and are added where dβ and dγ read them;
-- the small fp32 arrays (γ, its exponentials, the sums' parts) are static shared memory:
-  TileLang plans their barriers apart from the tiles' (in the one dynamic buffer it cannot prove
-  most accesses disjoint, and put barriers between unrelated ones);
+- the small fp32 arrays (γ, its exponentials, the sums' parts) are static shared memory, apart
+  from the tiles (TileLang's pass, when it ran, planned their barriers apart from the tiles');
 - v_new's tile and the four [C, C] operand tiles are stored from the loops that form them (a
   T.copy lowers to stmatrix and took a barrier of its own before each);
 - dγ's reverse cumsum runs in warp 0's registers by shuffles (rows lane and 32 + lane), with
   the last valid token's two totals (warp shuffle sums too; a serial sum over shared memory was a
   chain of 2 C dependent adds, benchmark/NOTES.md v15), not over a shared tile between barriers.
 One exchange per result through shared memory took 76 barriers a v-head, batched exchanges 48
-(chunk_grads 1.59 -> 1.44 ms at 16/32 8x4096, benchmark/NOTES.md v9); these 10, training step
+(chunk_grads 1.59 -> 1.44 ms at 16/32 8x4096, benchmark/NOTES.md v9); 10, training step
 (benchmark/NOTES.md v27, one process, interleaved): 16/32 8x4096 2.549 -> 2.431 ms, 1x32768
 3.305 -> 3.192, 2/8 8x4096 0.698 -> 0.673, 4/16 8x4096 1.256 -> 1.201; dq, dk, dv bitwise, dβ
 within 1.1e-5 and dg 2.5e-7 (relative: the sums' order changed).
@@ -151,6 +159,7 @@ within 1.1e-5 and dg 2.5e-7 (relative: the sums' order changed).
 import tilelang
 import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
+from tilelang.transform import PassConfigKey
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
@@ -240,6 +249,7 @@ def chunk_grads_kernel(
         stores."""
         T.copy(DQ, vn_s)
         T.copy(DK, kd_s)
+        T.sync_threads()
         for i, d in T.Parallel(C, K):
             if i < valid:
                 dq[t0 + i, ihk, d] = vn_s[i, d]
@@ -430,6 +440,7 @@ def chunk_grads_kernel(
                         for i, j in T.Parallel(C, V):
                             KS[i, j] = u_s[i, j] - eg_s[i] * KS[i, j]
                         T.copy(KS, u_s)
+                        T.sync_threads()  # U stored by every warp before the product reads it
                         T.gemm(a_s, u_s, VN, clear_accum=True)
                         # v_new's tile stored from the loop that reads v_new, each thread the elements it
                         # holds (a T.copy, by stmatrix, took a block-wide barrier of its own)
@@ -591,4 +602,5 @@ def chunk_grads_kernel(
                                 counts[slot, ihk] = 0
                             store_dq_dk(DQ, DK, vn_s, kd_s, dq, dk, t0, valid, ihk)
 
-    return tilelang.compile(chunk_grads, target=profile.target)
+    no_sync_pass = {PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+    return tilelang.compile(chunk_grads, target=profile.target, pass_configs=no_sync_pass)

@@ -290,20 +290,44 @@ def test_narrow_walks_wait_for_their_state_store_a_chunk_later(factory, args, de
     assert source.index("wgmma_ss", store) < source.index("tma_store_wait", store)
 
 
-@pytest.mark.parametrize(
-    "args",
-    [  # the configs of KERNELS
-        (16, 32, 128, 128, 32, "bfloat16", SM90, True, True),
-        (2, 8, 128, 128, 16, "bfloat16", SM90, True, False),
-        (2, 8, 128, 128, 32, "bfloat16", SM90, False, True, True),  # ENDS_ONLY
-    ],
-)
+NARROW_BWD_ARGS = [  # the configs of KERNELS
+    (16, 32, 128, 128, 32, "bfloat16", SM90, True, True),
+    (2, 8, 128, 128, 16, "bfloat16", SM90, True, False),
+    (2, 8, 128, 128, 32, "bfloat16", SM90, False, True, True),  # ENDS_ONLY
+]
+
+
+@pytest.mark.parametrize("args", NARROW_BWD_ARGS)
 def test_narrow_backward_walk_waits_for_dv_product_alone(args):
     """fused_bwd issues Qᵀ dO behind Aᵀ dv_new and waits for the latter alone (wgmma.wait_group 1),
     then once for everything after Kᵀ dv: three waits a chunk in all."""
     source = fused_bwd_kernel(*args).get_kernel_source()
     loop = source[source.index("tl::warpgroup_reg_alloc") :]
     assert re.findall(r"wait_wgmma<(\d)>", loop) == ["0", "1", "0"]
+
+
+# a wgmma shared-memory operand's tile, in the order the products are issued
+WGMMA_B_TILE = re.compile(r"initialize_wgmma_descriptor<[^>]*>\(desc_b\w*, \(&\(\(\(\w+\*\)(\w+)\)\[0\]\)\)\)")
+
+
+@pytest.mark.parametrize("args", NARROW_BWD_ARGS)
+def test_narrow_backward_walk_reads_do_as_loaded(args):
+    """Pᵀ dO takes dO's ring tile as it arrived for its B operand (the scale goes on the fp32 product): the
+    walk's shared B operands are dS', dO, dv_new, diag(scale · e^γ) dO and −diag(e^γ) dv, one staged copy of
+    dO a chunk."""
+    source = fused_bwd_kernel(*args).get_kernel_source()
+    assert WGMMA_B_TILE.findall(source) == ["ds_s", "do_s", "dvn_s", "doe_s", "due_s"]
+
+
+@pytest.mark.parametrize("BV", [64, 128])
+def test_wide_backward_walk_reads_do_as_loaded(BV):
+    """dOᵀ, the register A operand of dOᵀ P, is dO as loaded (by ldmatrix at 64 columns, element copies at 128),
+    masked past a sequence's end in the input dtype: never widened to fp32, scaled and rounded back (the scale
+    goes on the fp32 product)."""
+    source = fused_bwd_wide_kernel(16, 32, 128, 128, BV, "bfloat16", SM90, True, False).get_kernel_source()
+    assert "DOm[" in source
+    assert re.search(r"\(float\)DOm\[", source) is None
+    assert re.search(r"DOm\[\w+\] = \(\(bfloat16_t\)\w", source) is None
 
 
 @pytest.mark.parametrize("states_only", [False, True])

@@ -12,8 +12,8 @@ e^{γ_L − γ} zero past the sequence's end, dS' the gradient of the state afte
 dv is the gradient of v: v enters only through U = V − diag(e^γ) K S and v_new = A U
 (flash_qla/reference/backward_stages.py has the whole derivation). The walk needs no
 forward state: dS' depends on S only through quantities it never reads. On a sequence's last
-chunk (the walk's first) the tiles' rows past its end are the next sequence's: dO's and dv_new's
-are selected to 0 and those of P, A, q and k zeroed in their tiles (staging.zero_ring_rows_past), so
+chunk (the walk's first) the tiles' rows past its end are the next sequence's: dv_new's are
+selected to 0 and those of dO, P, A, q and k zeroed in their tiles (staging.zero_ring_rows_past), so
 not even an Inf or NaN there reaches this sequence (a product with a zero factor would not cancel it).
 
 Inputs (packed varlen, T tokens in all;
@@ -50,10 +50,17 @@ runs), then Kᵀ dv with dv's stores under it; three waits per chunk, not five. 
 from its operand tile, and the wait for that store's read of the tile comes at the next chunk's
 staging, not at once. These three (the TMA wait, the dv stores, Qᵀ dO behind Aᵀ dv_new) took the
 H200 training step at 16/16 1x2048 163.8 -> 155.6 µs, 4/16 1x2048 154.6 -> 147.0, 2/8 1x2048 132.5 ->
-129.7 (gradients bitwise equal; benchmark/NOTES.md v57). The consumer
-reads the dO tile into registers (which frees its ring slot) before storing its two scaled copies:
-read from shared memory element by element, each load waited behind the previous element's stores,
-which the compiler may not reorder (the walk 0.734 -> 0.659 ms at 16/32 8x4096; NOTES.md v9).
+129.7 (gradients bitwise equal; benchmark/NOTES.md v57). Pᵀ dO reads dO's ring tile as it
+arrived and the scale goes on the fp32 product, where dv_new is formed (dv_new = scale · DVN + ...: a
+multiply an element of the accumulator). Against scale · dO staged as an operand tile of its own (a
+multiply, a select and a rounding an element of dO, and the tile's stores), training step (H100, one
+process, interleaved; benchmark/NOTES.md v89): 16/32 1x2048 208.9 -> 204.3 µs, 32/32 222.9 -> 220.5,
+16/16 149.8 -> 147.4, 2/8 119.5 -> 116.9, 8/24 180.0 -> 175.3; and dv_new no longer rounds scale · dO
+to the input dtype first, so the gradients are nearer the fp32 reference (16/32 1x2048, relative L2:
+dv 3.50e-3 -> 3.26e-3, dβ 4.27e-3 -> 4.05e-3; dq unchanged). The consumer reads the dO tile into
+registers before storing diag(scale · e^γ) dO: read from shared memory element by element, each
+load waited behind the previous element's stores, which the compiler may not reorder (the walk
+0.734 -> 0.659 ms at 16/32 8x4096; NOTES.md v9).
 """
 
 import tilelang
@@ -141,7 +148,6 @@ def fused_bwd_kernel(
             p_s = T.alloc_shared([C, C], dtype)
             gam_s = T.alloc_shared([C], accum)
             ds_s = T.alloc_shared([K, BV], dtype)  # dS' in the input dtype, B operand
-            dom_s = T.alloc_shared([C, BV], dtype)  # scale · dO, zero past the end
             doe_s = T.alloc_shared([C, BV], dtype)  # diag(scale · e^γ) dO
             dvn_s = T.alloc_shared([C, BV], dtype)  # dv_new, the operand of Aᵀ dv_new
             due_s = T.alloc_shared([C, BV], dtype)  # −diag(e^γ) dv
@@ -153,7 +159,7 @@ def fused_bwd_kernel(
             DVN = T.alloc_fragment([C, BV], accum)
             KD = T.alloc_fragment([C, BV], accum)
             DV = T.alloc_fragment([C, BV], accum)
-            DO = T.alloc_fragment([C, BV], dtype)  # dO in registers: the stores of its scaled copies wait on no load
+            DO = T.alloc_fragment([C, BV], dtype)  # dO in registers: the stores of its scaled copy wait on no load
             # the same gate factors in registers, laid out like the accumulators' rows
             eg = T.alloc_fragment([C], accum)
             ed = T.alloc_fragment([C], accum)  # e^{γ_L − γ}, 0 past the end
@@ -186,14 +192,11 @@ def fused_bwd_kernel(
                 T.copy(dS, ds_s)
                 if not ENDS_ONLY:  # by TMA, waited for at the next chunk's staging
                     T.tma_copy(ds_s, dh[first_chunk + c, ih, :, v0:v0 + BV], leader_scope_threads=THREADS)
-                T.copy(do_s, DO)
-                for i, j in T.Parallel(C, BV):
-                    dom_s[i, j] = T.if_then_else(i < valid, DO[i, j] * scale, 0.0)
                 if valid < C:  # a sequence's last chunk (the walk's first): the next sequence's rows out of
-                    zero_ring_rows_past(p_s, valid)  # Pᵀ dO (dO's rows there are 0: a product of zero and an Inf is
-                    zero_ring_rows_past(k_s, valid)  # no zero), the update's Kᵀ and Qᵀ diag(scale · e^γ) dO
-                    for i, j in T.Parallel(C, BV):
-                        DO[i, j] = T.if_then_else(i < valid, DO[i, j], T.cast(0, dtype))
+                    zero_ring_rows_past(do_s, valid)  # Pᵀ dO and Qᵀ diag(scale · e^γ) dO (a product of zero
+                    zero_ring_rows_past(p_s, valid)  # and an Inf is no zero, so both factors' rows), and out of
+                    zero_ring_rows_past(k_s, valid)  # the update's Kᵀ
+                T.copy(do_s, DO)
 
                 # dS <- e^{γ_L} dS' + Qᵀ diag(scale e^γ) dO − Kᵀ diag(e^γ) dv: the decay now (before the
                 # products are issued: ptxas waits for every pending product before registers a product
@@ -201,16 +204,16 @@ def fused_bwd_kernel(
                 for d, j in T.Parallel(K, BV):
                     dS[d, j] = dS[d, j] * T.exp2(g_last * LOG2E)
                 # dv_new = scale Pᵀ dO + diag(e^{γ_L − γ}) K dS': its two products in flight together
-                with T.ws_op("p_s"):  # one op: the ring frees p_s only after the wait
+                with T.ws_op("p_s_do_s"):  # one op: the ring frees p_s and do_s only after the wait
                     T.wgmma_gemm(k_s, ds_s, KD, clear_accum=True)
-                    T.wgmma_gemm(p_s, dom_s, DVN, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(p_s, do_s, DVN, transpose_A=True, clear_accum=True)
                     for i, j in T.Parallel(C, BV):  # the operand of Qᵀ dO, under them
                         doe_s[i, j] = DO[i, j] * (scale * eg_s[i])
                     T.wait_wgmma(0)
                     T.warpgroup_fence_operand(KD, num_regs=TILE_REGS)
                     T.warpgroup_fence_operand(DVN, num_regs=TILE_REGS)
                 for i, j in T.Parallel(C, BV):
-                    DVN[i, j] = DVN[i, j] + KD[i, j] * ed[i]
+                    DVN[i, j] = DVN[i, j] * scale + KD[i, j] * ed[i]
                 if valid < C:  # out of dv_new (K dS' read k's rows there), Aᵀ dv_new and Qᵀ dO
                     for i, j in T.Parallel(C, BV):
                         DVN[i, j] = T.if_then_else(i < valid, DVN[i, j], 0.0)

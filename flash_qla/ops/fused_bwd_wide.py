@@ -9,14 +9,14 @@ P = Q Kᵀ ⊙ Γ ⊙ Lower, dS'ᵀ the gradient of the state after the chunk, w
     dvᵀ     = dv_newᵀ A                                              [BV, C]
     dSᵀ    <- e^{γ_L} dS'ᵀ + dOᵀ diag(scale · e^γ) Q − dvᵀ diag(e^γ) K   [BV, K]
 
-dS'ᵀ, dOᵀ (scaled, and masked past the sequence's end: the tiles' rows there belong to the next
-sequence; P's, A's, q's and k's are zeroed, each consumer warpgroup for itself,
-staging.zero_rows_past_by_warpgroup), dv_newᵀ and dvᵀ diag(e^γ) are the A operands of the next
-products, which wgmma reads straight from registers (rounded to the input dtype, as fused_bwd rounds them into
-shared memory): only the TMA'd q, k, dO, A and P tiles are read from shared memory, and the
-consumers write shared memory only to stage dh and dv for their stores. So the consumer
-warpgroups, one per 64 columns, share the ring's tiles but nothing else: each runs an
-independent chain, and two chains per SM hide each other's latency (fused_fwd_wide's form).
+dS'ᵀ, dOᵀ (as loaded, the scale going on the fp32 product dOᵀ P; masked past the sequence's end:
+the tiles' rows there belong to the next sequence; P's, A's, q's and k's are zeroed, each consumer
+warpgroup for itself, staging.zero_rows_past_by_warpgroup), dv_newᵀ and dvᵀ diag(e^γ) are the A
+operands of the next products, which wgmma reads straight from registers (rounded to the input
+dtype, as fused_bwd rounds them into shared memory): only the TMA'd q, k, dO, A and P tiles are read
+from shared memory, and the consumers write shared memory only to stage dh and dv for their
+stores. So the consumer warpgroups, one per 64 columns, share the ring's tiles but nothing else:
+each runs an independent chain, and two chains per SM hide each other's latency (fused_fwd_wide's form).
 Both forms run near the DRAM rate at full grids, so the gain is the bytes fused_bwd reads
 twice (q, k, A and P for each of two V-tiles): 16/32 8x4096 0.660 ms (fused_bwd, BV = 64) ->
 0.607 (BV = 128); at BV = 64 (one chain) 2/8 8x4096 0.173 -> 0.166, 16/64 1x32768 1.262 ->
@@ -50,7 +50,15 @@ stores took 96: at one block an SM the walk's consumer issues its own chain (ncu
 transposed from its ring tile, which is swizzled so that a warp's reads hit distinct banks; at 64
 columns by ldmatrix.x4.trans (staging.load_transposed: four instructions a thread for each of its two
 reads, where 2-byte loads took 32): training step 16/32 1x2048 212.4 -> 210.2 µs, 32/32 1x2048 221.2 ->
-219.0, gradients bitwise equal (benchmark/NOTES.md v56 step 8, v57).
+219.0, gradients bitwise equal (benchmark/NOTES.md v56 step 8, v57). dOᵀ P's operand is dO as
+loaded and the scale goes on its fp32 product, where dv_newᵀ is formed: dOᵀ was widened to fp32,
+scaled, selected and rounded back every chunk (static SASS of the 16/32 walk 1800 -> 1680
+instructions at 64 columns, 2000 -> 1816 at 128), and dv_new no longer rounds a scaled copy of dO
+(as fused_bwd; benchmark/NOTES.md v89).
+Training step (H100, one process, interleaved): 16/32 4096x8 (128 columns) 2725.3 -> 2711.5 µs, 16/16
+8192x4 (64) 1519.4 -> 1521.1, 32/32 2048x2 (64) 386.9 -> 388.2, within the rounds' spread; the
+gradients nearer the fp32 reference (16/32 4096x8, relative L2: dv 3.52e-3 -> 3.28e-3, dβ 4.27e-3 ->
+4.09e-3; dq unchanged).
 """
 
 import tilelang
@@ -160,7 +168,7 @@ def fused_bwd_wide_kernel(
 
             dSt = T.alloc_fragment([BV, K], accum)  # dSᵀ
             Db = T.alloc_fragment([BV, K], dtype)  # dS'ᵀ in the input dtype: A operand
-            DOm = T.alloc_fragment([BV, C], dtype)  # scale · dOᵀ, 0 past the end: A operand
+            DOm = T.alloc_fragment([BV, C], dtype)  # dOᵀ, 0 past the end: A operand
             DOe = T.alloc_fragment([BV, C], dtype)  # dOᵀ diag(scale · e^γ): A operand
             KDt = T.alloc_fragment([BV, C], accum)  # (K dS')ᵀ
             DVNt = T.alloc_fragment([BV, C], accum)  # dv_newᵀ
@@ -199,11 +207,12 @@ def fused_bwd_wide_kernel(
                     ed[i] = gates_s[1, i]
                 if BV == ROWS_PER_WARPGROUP:  # dOᵀ by ldmatrix.x4.trans
                     load_dot(DOm, do_s, None, tx)
-                    for j, i in T.Parallel(BV, C):
-                        DOm[j, i] = T.if_then_else(i < valid, DOm[j, i] * scale, 0.0)
                 else:
                     for j, i in T.Parallel(BV, C):
-                        DOm[j, i] = T.if_then_else(i < valid, do_s[i, j] * scale, 0.0)
+                        DOm[j, i] = do_s[i, j]
+                if valid < C:  # dO's columns past the end are the next sequence's
+                    for j, i in T.Parallel(BV, C):
+                        DOm[j, i] = T.if_then_else(i < valid, DOm[j, i], T.cast(0, dtype))
 
                 # (K dS')ᵀ and (Pᵀ dO)ᵀ (the dv chain) in flight together
                 with T.ws_op("k_s_p_s"):  # one op: the ring frees p_s only after the wait
@@ -216,7 +225,7 @@ def fused_bwd_wide_kernel(
                     T.warpgroup_fence_operand(KDt, num_regs=TILE_REGS)
                     T.warpgroup_fence_operand(DVNt, num_regs=TILE_REGS)
                 for j, i in T.Parallel(BV, C):
-                    DVNb[j, i] = DVNt[j, i] + KDt[j, i] * ed[i]
+                    DVNb[j, i] = DVNt[j, i] * scale + KDt[j, i] * ed[i]
                 if valid < C:  # columns past the end: (K dS')ᵀ's there read k's rows of the next sequence
                     for j, i in T.Parallel(BV, C):
                         DVNb[j, i] = T.if_then_else(i < valid, DVNb[j, i], T.cast(0, dtype))

@@ -319,6 +319,31 @@ def test_narrow_backward_walk_reads_do_as_loaded(args):
     assert WGMMA_B_TILE.findall(source) == ["ds_s", "do_s", "dvn_s", "doe_s", "due_s"]
 
 
+@pytest.mark.parametrize("args", [
+    (16, 32, 128, 128, 32, "bfloat16", SM90, True, True, False, False, False, True),  # KEEP_H
+    (2, 8, 128, 128, 16, "bfloat16", SM90, False, False),
+])  # fmt: skip
+def test_narrow_forward_walk_stages_v_new_with_its_decayed_copy(args):
+    """v_new's tile (P v_new's operand) is stored from the loop that stages diag(e^{γ_L − γ}) v_new (the update's),
+    not by a stmatrix copy of its own, which took a consumer barrier of its own: stmatrix stages S alone."""
+    source = fused_fwd_kernel(*args).get_kernel_source()
+    assert source.count("ptx_stmatrix") == 1
+    vd_store = source.index("(bfloat16_t*)vd_s) + ")
+    vn_store = source.index("(bfloat16_t*)vn_s) + ", vd_store)
+    assert "__sync_thread_partial" not in source[vd_store:vn_store]
+
+
+@pytest.mark.parametrize("args", NARROW_BWD_ARGS)
+def test_narrow_backward_walk_zeroing_holds_its_barriers(args):
+    """The last-chunk zeroing of dO's, P's and k's rows holds its two barriers (a named barrier of the consumer's
+    own), so TileLang's sync pass adds none before and after it on every chunk: 8 consumer-wide barriers a
+    chunk (7 when ENDS_ONLY, which stages no dv), where 10 were."""
+    source = fused_bwd_kernel(*args).get_kernel_source()
+    barriers = re.findall(r"__sync_thread_partial\(([^;]*)\);", source)
+    assert barriers.count("4, 128") == 2
+    assert barriers.count("3, 128") == (7 if len(args) > 9 and args[9] else 8)
+
+
 @pytest.mark.parametrize("BV", [64, 128])
 def test_wide_backward_walk_reads_do_as_loaded(BV):
     """dOᵀ, the register A operand of dOᵀ P, is dO as loaded (by ldmatrix at 64 columns, element copies at 128),

@@ -15,6 +15,11 @@ forward state: dS' depends on S only through quantities it never reads. On a seq
 chunk (the walk's first) the tiles' rows past its end are the next sequence's: dv_new's are
 selected to 0 and those of dO, P, A, q and k zeroed in their tiles (staging.zero_ring_rows_past), so
 not even an Inf or NaN there reaches this sequence (a product with a zero factor would not cancel it).
+The first zeroing (dO, P, k) holds its own barriers: TileLang's sync pass, which cannot place its
+stores, otherwise puts one before and one after the branch on every chunk (8 consumer barriers a
+chunk where 10). Training step against those two on every chunk (H100, one process, interleaved;
+benchmark/NOTES.md v90): 16/32 1x2048 204.3 -> 203.2 µs, 2/8 1x2048 117.1 -> 116.4, 16/16 and 32/32
+1x2048 within 0.1 %; the gradients bitwise equal.
 
 Inputs (packed varlen, T tokens in all;
 the token-major tensors, outputs too, passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):
@@ -69,7 +74,7 @@ import tilelang.language as T
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.launch import kernel_factory, token_major
 from flash_qla.ops.negligible import kept_first_chunks
-from flash_qla.ops.staging import zero_ring_rows_past
+from flash_qla.ops.staging import STAGE_BARRIER, zero_ring_rows_past
 
 LOG2E = 1.4426950408889634
 # elements of padding per row of the dv staging tile (the o tile's pattern in fused_fwd:
@@ -193,9 +198,15 @@ def fused_bwd_kernel(
                 if not ENDS_ONLY:  # by TMA, waited for at the next chunk's staging
                     T.tma_copy(ds_s, dh[first_chunk + c, ih, :, v0:v0 + BV], leader_scope_threads=THREADS)
                 if valid < C:  # a sequence's last chunk (the walk's first): the next sequence's rows out of
-                    zero_ring_rows_past(do_s, valid)  # Pᵀ dO and Qᵀ diag(scale · e^γ) dO (a product of zero
-                    zero_ring_rows_past(p_s, valid)  # and an Inf is no zero, so both factors' rows), and out of
-                    zero_ring_rows_past(k_s, valid)  # the update's Kᵀ
+                    # Pᵀ dO and Qᵀ diag(scale · e^γ) dO (a product of zero and an Inf is no zero, so both factors'
+                    # rows), and out of the update's Kᵀ. The branch's own barriers: without them TileLang's sync
+                    # pass puts one before and one after it, on every chunk
+                    T.sync_threads(STAGE_BARRIER, THREADS)  # ordering nothing (the ring orders the slots' reuse)
+                    zero_ring_rows_past(do_s, valid)
+                    zero_ring_rows_past(p_s, valid)
+                    zero_ring_rows_past(k_s, valid)
+                    T.fence_proxy_async()  # the stores seen by wgmma
+                    T.sync_threads(STAGE_BARRIER, THREADS)
                 T.copy(do_s, DO)
 
                 # dS <- e^{γ_L} dS' + Qᵀ diag(scale e^γ) dO − Kᵀ diag(e^γ) dv: the decay now (before the

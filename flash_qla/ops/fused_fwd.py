@@ -67,6 +67,10 @@ rows of V − diag(e^γ) K S and of v_new are selected to 0 and, after K S, thei
 tile are zeroed (staging.zero_rows_past), so nothing of the next sequence's rows that the tiles
 load reaches S or o, not even an Inf or NaN (a product with a zero factor would not cancel it);
 their rows of o are not stored.
+v_new's tile (P v_new's operand) is stored from the loop that stages diag(e^{γ_L − γ}) v_new: two consumer
+barriers there where a stmatrix copy of its own took three. Training step (H100, one process,
+interleaved, with fused_bwd's barriers as above; benchmark/NOTES.md v90): 16/32 1x2048 203.2 -> 202.1 µs,
+2/8 116.4 -> 115.9, 16/16 145.0 -> 144.6, 32/32 219.9 -> 219.2; the gradients bitwise equal.
 """
 
 import tilelang
@@ -272,12 +276,15 @@ def fused_fwd_kernel(
                 if valid < C:  # A's rows there are the next sequence's
                     for i, j in T.Parallel(C, BV):
                         VN[i, j] = T.if_then_else(i < valid, VN[i, j], 0.0)
-                for i, j in T.Parallel(C, BV):
-                    vd_s[i, j] = VN[i, j] * ed[i]
-                if not STATES_ONLY:
+                if STATES_ONLY:
+                    for i, j in T.Parallel(C, BV):
+                        vd_s[i, j] = VN[i, j] * ed[i]
+                else:  # v_new's tile stored from the same loop (a T.copy, by stmatrix, took a barrier of its own)
+                    for i, j in T.Parallel(C, BV):
+                        vd_s[i, j] = VN[i, j] * ed[i]
+                        vn_s[i, j] = VN[i, j]
                     for i, j in T.Parallel(C, BV):
                         O[i, j] = O[i, j] * eg[i]
-                    T.copy(VN, vn_s)
 
                 # S += Kᵀ diag(e^{γ_L − γ}) v_new (the S chain) and O += P v_new in flight together
                 with T.ws_op("k_s_p_s"):  # one op: the ring frees k_s and p_s only after the wait

@@ -276,13 +276,11 @@ def fused_fwd_kernel(
                 if valid < C:  # A's rows there are the next sequence's
                     for i, j in T.Parallel(C, BV):
                         VN[i, j] = T.if_then_else(i < valid, VN[i, j], 0.0)
-                if STATES_ONLY:
-                    for i, j in T.Parallel(C, BV):
-                        vd_s[i, j] = VN[i, j] * ed[i]
-                else:  # v_new's tile stored from the same loop (a T.copy, by stmatrix, took a barrier of its own)
-                    for i, j in T.Parallel(C, BV):
-                        vd_s[i, j] = VN[i, j] * ed[i]
+                for i, j in T.Parallel(C, BV):
+                    vd_s[i, j] = VN[i, j] * ed[i]
+                    if not STATES_ONLY:  # v_new's tile, from this loop (a stmatrix copy took a barrier of its own)
                         vn_s[i, j] = VN[i, j]
+                if not STATES_ONLY:
                     for i, j in T.Parallel(C, BV):
                         O[i, j] = O[i, j] * eg[i]
 

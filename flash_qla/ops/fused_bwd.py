@@ -19,7 +19,10 @@ The first zeroing (dO, P, k) holds its own barriers: TileLang's sync pass, which
 stores, otherwise puts one before and one after the branch on every chunk (8 consumer barriers a
 chunk where 10). Training step against those two on every chunk (H100, one process, interleaved;
 benchmark/NOTES.md v90): 16/32 1x2048 204.3 -> 203.2 µs, 2/8 1x2048 117.1 -> 116.4, 16/16 and 32/32
-1x2048 within 0.1 %; the gradients bitwise equal.
+1x2048 within 0.1 %; the gradients bitwise equal. The pass's other barriers stay: compiled without the pass,
+with 4 consumer barriers a chunk placed in the source where it places 8 (before and after dS''s staging, before
+Aᵀ dv_new, before Kᵀ dv), the step ran 0.6-1.0 % slower at 1x2048 on an H200 (16/32 200.2 -> 201.3 µs, 2/8 116.4
+-> 117.6; benchmark/NOTES.md v91): each placed barrier sits between a staging and the product that reads it.
 
 Inputs (packed varlen, T tokens in all;
 the token-major tensors, outputs too, passed packed, [1, T, ...], and read as the [T, ...] shown: launch.token_major):

@@ -69,7 +69,7 @@ load reaches S or o, not even an Inf or NaN (a product with a zero factor would 
 their rows of o are not stored.
 v_new's tile (P v_new's operand) is stored from the loop that stages diag(e^{γ_L − γ}) v_new: two consumer
 barriers there where a stmatrix copy of its own took three. Training step (H100, one process,
-interleaved, with fused_bwd's barriers as above; benchmark/NOTES.md v90): 16/32 1x2048 203.2 -> 202.1 µs,
+interleaved, with fused_bwd's zeroing barriers (fused_bwd.py); benchmark/NOTES.md v90): 16/32 1x2048 203.2 -> 202.1 µs,
 2/8 116.4 -> 115.9, 16/16 145.0 -> 144.6, 32/32 219.9 -> 219.2; the gradients bitwise equal.
 """
 

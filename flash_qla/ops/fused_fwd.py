@@ -72,8 +72,8 @@ barriers; no selects) was not faster: H200, one process, interleaved, the 1x2048
 16/32, 0.5 % at 2/8, within 0.1 % at 16/16 and 32/32, 0.3 % slower at 8/24, and the 2/8 1x2048 inference forward
 2.0 % slower, its chunks all full (it waits for A's load before K S, where this walk waits at A U: the likely
 cost; benchmark/NOTES.md v92 step 1). Zeroing only k's and v's rows there (v_new's still selected, A's load
-waited for at A U) moved no more: H100, the 1x2048 training step 0.6 % slower at 16/32, 1.0 % faster at 2/8, 0.2 %
-faster at 16/32 1000+1048, the 2/8 inference forward within 0.2 % (v93 step 1).
+waited for at A U) moved no more: H100, the training step 0.6 % slower at 16/32 1x2048, 1.0 % faster at 2/8
+1x2048, 0.2 % faster at 16/32 1000+1048, the 2/8 1x2048 inference forward within 0.2 % (v93 step 1).
 v_new's tile (P v_new's operand) is stored from the loop that stages diag(e^{γ_L − γ}) v_new: two consumer
 barriers there where a stmatrix copy of its own took three. Training step (H100, one process,
 interleaved, with fused_bwd's zeroing barriers (fused_bwd.py); benchmark/NOTES.md v90): 16/32 1x2048 203.2 -> 202.1 µs,

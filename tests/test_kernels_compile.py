@@ -355,6 +355,19 @@ def test_wide_backward_walk_reads_do_as_loaded(BV):
     assert re.search(r"DOm\[\w+\] = \(\(bfloat16_t\)\w", source) is None
 
 
+@pytest.mark.parametrize(
+    "args", [(16, 32, 128, 128, 32, "bfloat16", SM90, True, True), (2, 8, 128, 128, 16, "bfloat16", SM90, False, False)]
+)
+def test_narrow_forward_walk_zeroes_k_rows_past_the_end(args):
+    """On a sequence's last chunk the narrow forward walk zeroes the k tile's rows past its end after K S (so that
+    nothing of the next sequence's rows, not even an Inf or NaN, reaches the state update's Kᵀ); the rows of
+    V − diag(e^γ) K S and v_new there are selected to 0, not stored. Without the zeroing only the GPU's
+    isolation tests would go red."""
+    source = fused_fwd_kernel(*args).get_kernel_source()
+    zeroed = re.findall(r"\*\(uint4\*\)\(\(\(bfloat16_t\*\)(\w+)\) \+ [^;]*\) = make_uint4", source)
+    assert zeroed == ["k_s"], zeroed
+
+
 @pytest.mark.parametrize("states_only", [False, True])
 def test_fused_fwd_wide_chains_share_no_barrier(states_only):
     """The wide walk's consumer warpgroups never wait for each other: its only named barriers (the

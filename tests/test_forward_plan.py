@@ -11,7 +11,7 @@ from flash_qla.arch import SM90, profile_by_name, unsupported_reason
 from flash_qla.ops.backward import backward_kernel_builds, beside_widths, grads_parts
 from flash_qla.ops.chunks import (
     checkpoint_pieces, chunk_offsets_of, chunk_rows, chunk_table, chunk_tables, count_pieces, first_pieces,
-    sequence_groups, sequence_pieces,
+    piece_tables, sequence_groups, sequence_piece_chunks, sequence_pieces,
 )  # fmt: skip
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
@@ -26,6 +26,7 @@ from flash_qla.ops.forward import (
     chunk_step_time,
     kernel_unsupported_reason,
     keeps_checkpoints,
+    lead_pieces,
     keeps_states,
     pieces_fit_the_grid,
     sequences_per_block,
@@ -138,6 +139,28 @@ def test_states_kept_by_default_where_they_are_small(keep, training, output_h, T
 )
 def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
     assert splits_forward(seqlens, Hv, 128, SM90) == expected
+
+
+@pytest.mark.parametrize(
+    "seqlens,Hv,BV,expected",
+    [
+        ((28672, 4096), 32, 64, 2),  # 14 + 2 pieces x 64 blocks: 1024 (8 waves) -> 896 after one (7), 768 after two (6)
+        ((28672, 4096), 16, 64, 2),  # 32 blocks a piece: 512 (4 waves) -> 448 (4), 384 (3)
+        ((28672, 4096), 8, 64, 0),  # 16 a piece: 256 (2 waves) -> 224, 192: 2
+        ((16384, 16384), 16, 64, 2),  # 512 (4 waves) -> 448 (4), 384 (3)
+        ((32768,), 32, 64, 2),  # 1024 (8) -> 960 (8), 896 (7)
+        ((32768,), 8, 64, 0),  # 256 (2 waves) -> 240, 224: 2
+        ((32768,), 16, 128, 0),  # 256 at 128 columns: 2 waves either way
+        ((4096,) * 9, 32, 128, 0),  # more sequences than LEAD_SEQUENCES_MAX
+        ((9000, 0, 70), 32, 64, 1),  # 5 + 1 pieces: 384 (3 waves) -> 256 (2) after one
+    ],
+    ids=["28672+4096_32_heads", "28672+4096_16_heads", "28672+4096_8_heads", "2x16384_16_heads", "1x32768_32_heads", "1x32768_8_heads",
+         "1x32768_16_heads_128", "9_sequences", "one_piece_and_empty"],  # fmt: skip
+)
+def test_split_walks_lead_pieces_where_that_saves_a_wave(seqlens, Hv, BV, expected):
+    """A split forward walks each sequence's first lead_pieces pieces beside its map walks: the fewest (at most
+    LEAD_PIECES_MAX) that leave the walk after compose_maps its fewest waves of blocks, 0 where none saves one."""
+    assert lead_pieces(seqlens, Hv, 128, BV, SM90) == expected
 
 
 @pytest.mark.parametrize(
@@ -369,6 +392,13 @@ def test_checkpoint_pieces(seqlens, every):
         if length:
             assert (first[seq], last[seq]) == (firsts[seq], firsts[seq + 1] - 1)
     assert checkpoint_rows(slots, len(seqlens), SM90) == slots // SM90.checkpoint_chunks + 1 + len(seqlens)
+    # each sequence's pieces from the lengths alone, and the tables of runs of them (a split's lead walks)
+    per_seq = sequence_piece_chunks(seqlens, SM90.chunk, every)
+    assert [len(c) for c in per_seq] == [firsts[i + 1] - firsts[i] for i in range(len(seqlens))]
+    assert [sum(c) for c in per_seq] == [-(-n // SM90.chunk) for n in seqlens]
+    runs = ((0, 1), (1, n - 1), (n - 1, 1))
+    for (i, count), (b, f) in zip(runs, piece_tables(cu, SM90.chunk, slots, every, runs)):
+        assert b.tolist() == bounds[i : i + count + 1].tolist() and f.tolist() == first_chunks[i : i + count + 1].tolist()
 
 
 def test_kernel_support_reasons():

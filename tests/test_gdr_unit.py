@@ -299,6 +299,42 @@ def test_split_opath_forward_matches_pieces_walk(case, poisoned, monkeypatch):
     assert rel_l2(out[True][0], out[False][0]) <= OPATH_PIECES_TOL, rel_l2(out[True][0], out[False][0])
 
 
+@pytest.mark.parametrize("output_h", [True, False], ids=["output_h", "o_alone"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
+def test_split_forward_lead_pieces(case, output_h, poisoned, monkeypatch):
+    """A split forward walks the first pieces of each sequence beside its map walks (flash_qla.ops.forward.
+    lead_pieces, forced here to 0, 1 and 2; the pieces' walk storing h, or the O path where it pays for o alone):
+    with one, every piece walks from the state it does without (its first from the initial state), so o, h and the
+    final state are bitwise those of the split without a lead; with two, each second piece walks from the first's
+    end state rather than the composed start state: within FWD_TOL of the fp32 reference, and bitwise the same on a
+    second run."""
+    from flash_qla.ops import forward as forward_module
+
+    x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
+    patch_planner(monkeypatch, "splits_forward", lambda *args: True)
+    splits = record_calls(monkeypatch, forward_module, "split_walk")
+    out = {}
+    for lead in (0, 1, 2, 2):
+        patch_planner(monkeypatch, "lead_pieces", lambda *args, lead=lead: lead)
+        got = flash_qla.chunk_gated_delta_rule_fwd(
+            **x, initial_state=h0, cu_seqlens=cu, output_h=output_h, output_final_state=True
+        )
+        got = [t for t in (got[2], got[3], got[4]) if t is not None]
+        if lead in out:
+            for name, a, b in zip(("o", "h", "final_state"), got, out[lead]):
+                assert torch.equal(a, b), (name, "not deterministic")
+        out[lead] = got
+    assert len(splits) == 4, "every forward split"
+    for a, b in zip(out[1], out[0]):
+        assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+    ref = chunk_gated_delta_rule_fwd_ref(
+        *(x[n].float() for n in ("q", "k", "v", "g", "beta")), None, h0, cu, True, True
+    )
+    want = [ref[2], *((ref[3],) if output_h else ()), ref[4]]
+    for got, expected in zip(out[2], want):
+        assert torch.isfinite(got).all() and rel_l2(got, expected) <= FWD_TOL, rel_l2(got, expected)
+
+
 @contextlib.contextmanager
 def late_map_walk():
     """Within: a split walk's map walk starts ~10 ms (on the H200) after its fork, held back on its stream by a
@@ -870,3 +906,33 @@ def test_strided_inputs_give_the_contiguous_results(layout, case, training, pois
     assert len(got) == (7 if training else 2)
     for name, want, value in zip(("o", "final_state", *(f"d{name}" for name in x)), contiguous, got):
         assert torch.equal(value, want), name
+
+
+def test_split_forward_lead_pieces_in_a_cuda_graph(monkeypatch):
+    """A split inference forward with its lead (flash_qla.ops.forward.lead_pieces, forced to 2: the lead walks and
+    the walks after compose_maps fork onto streams of their own and join the capturing stream again), captured in a
+    CUDA graph and replayed on new inputs copied into the captured ones: o and the final state of the eager call on
+    those inputs, bitwise."""
+    case = next(c for c in SPLIT_CASES if c.id == "split_one_long_h0")
+    patch_planner(monkeypatch, "splits_forward", lambda *args: True)
+    patch_planner(monkeypatch, "lead_pieces", lambda *args: 2)
+    static, cu, h0 = case_inputs(case, seed=41)
+    static["initial_state"] = h0
+
+    def step(t):
+        return flash_qla.chunk_gated_delta_rule_fwd(**t, cu_seqlens=cu, output_final_state=True)[2::2]
+
+    step(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(static)
+    fresh, _, fresh_h0 = case_inputs(case, seed=42)
+    fresh["initial_state"] = fresh_h0
+    for name in fresh:
+        static[name].copy_(fresh[name])
+    graph.replay()
+    eager = step({n: t.clone() for n, t in static.items()})
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager):
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()

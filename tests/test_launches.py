@@ -21,6 +21,7 @@ from tvm import arith, tirx
 import flash_qla
 from flash_qla import api, autograd, dispatch
 from flash_qla.arch import SM90
+from flash_qla.ops.chunks import checkpoint_pieces
 from flash_qla.ops import backward, forward
 from flash_qla.reference.inputs import make_inputs
 from gpu_cases import strided
@@ -101,6 +102,7 @@ def launched(monkeypatch):
         monkeypatch.setattr(module, "get_profile", lambda device: SM90)
         monkeypatch.setattr(module, "on_device", lambda device: contextlib.nullcontext())
         monkeypatch.setattr(module, "side_stream", lambda device: Stream())
+        monkeypatch.setattr(module, "stream_pool", lambda device, n: [Stream() for _ in range(n)], raising=False)
         monkeypatch.setattr(module, "current_stream", lambda device: Stream())
     monkeypatch.setattr(backward, "multiprocessors", lambda device: SM90.num_sms)
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
@@ -421,3 +423,68 @@ def test_current_stream_is_looked_up_once_per_stream_handle(monkeypatch):
     handle[0] = 7
     assert launch.current_stream(device) is first and looked_up == [7, 9]
     assert launch.current_stream(torch.device("cuda", 1)) == ("stream", 7) and looked_up == [7, 9, 7]  # per device
+
+
+@pytest.mark.parametrize(
+    "seqlens,heads,h0,lead",
+    [((28672, 4096), (16, 32), True, None), ((5000, 0, 70, 9000), (2, 8), False, 2), ((9000,), (2, 8), True, 1)],
+    ids=["28672+4096_planned", "varlen_empty_lead_2", "one_long_lead_1"],
+)
+def test_split_walks_lead_pieces_before_the_composition(launched, monkeypatch, seqlens, heads, h0, lead):
+    """A split forward with a lead (flash_qla.ops.forward.lead_pieces: planned, or forced) walks every piece once:
+    each sequence's first `lead` pieces one a launch, the first from the sequence's initial state (zeros without
+    one), each next from the end state the one before wrote, and the rest of each sequence in one launch from the
+    start states compose_maps writes; each piece's end state in its row of the split's end states."""
+    from flash_qla.ops import buffers, context_parallel
+
+    walks, states = [], {}
+    record = Launch.__call__
+
+    def recording(self, *args):
+        record(self, *args)
+        if self.name == "fused_fwd_opath":  # the pieces' walk: (..., bounds, firsts, starts, o, ends, scale)
+            walks.append((args[6].tolist(), args[8].data_ptr(), args[10].data_ptr()))
+
+    signature = inspect.signature(context_parallel.split_walk)
+
+    def split_walk(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        states.update(starts=bound.arguments["starts"].data_ptr(), ends=bound.arguments["ends"].data_ptr())
+        return context_parallel.split_walk(*args, **kwargs)
+
+    monkeypatch.setattr(Launch, "__call__", recording)
+    monkeypatch.setattr(forward, "split_walk", split_walk)
+    monkeypatch.setattr(forward, "splits_forward", lambda *args: True)
+    monkeypatch.setattr(forward, "o_path_pays", lambda *args: True)
+    planned = forward.lead_pieces(seqlens, heads[1], 128, 64, SM90) if lead is None else lead
+    if lead is not None:
+        monkeypatch.setattr(forward, "lead_pieces", lambda *args: lead)
+    q, k, v, g, beta, scale, state, cu = packed_inputs(seqlens, *heads, torch.bfloat16, h0)
+    forward.forward_kernels(q, k, v, g, beta, scale, state, cu, True, False, seqlens, True, False, None, True)
+    assert planned > 0
+    slots = sum(seqlens) // SM90.chunk + len(seqlens)
+    bounds = checkpoint_pieces(cu, SM90.chunk, slots, SM90.checkpoint_chunks)[0].tolist()
+    pieces = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1) if bounds[i] < bounds[i + 1]]
+    row = heads[1] * 128 * 128 * 4  # bytes of a piece's state
+    walked = {}
+    for b, start, end in walks:
+        for i in range(len(b) - 1):
+            piece = pieces.index((b[i], b[i + 1]))
+            assert piece not in walked, "a piece walked twice"
+            assert end + i * row == states["ends"] + piece * row, "the end state in the piece's row"
+            walked[piece] = (start + i * row, len(b) - 1)
+    assert sorted(walked) == list(range(len(pieces))), "every piece walked"
+    # sequence by sequence: the first `planned` pieces alone from the state before them, the rest from starts
+    first = 0
+    zeros = buffers.zero_state(q.device, heads[1], 128, 128).data_ptr()
+    for n, length in enumerate(seqlens):
+        count = sum(1 for a, _ in pieces if cu[n] <= a < cu[n] + length)
+        for j in range(count):
+            start, launch_pieces = walked[first + j]
+            if j == 0:
+                assert launch_pieces == 1 and start == (state[n].data_ptr() if h0 else zeros)
+            elif j < planned:
+                assert launch_pieces == 1 and start == states["ends"] + (first + j - 1) * row
+            else:
+                assert launch_pieces == count - planned and start == states["starts"] + (first + j) * row
+        first += count

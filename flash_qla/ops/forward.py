@@ -26,7 +26,9 @@ import torch
 
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
-from flash_qla.ops.chunks import chunk_rows, chunk_tables, count_pieces, piece_chunks, sequence_groups
+from flash_qla.ops.chunks import (
+    chunk_rows, chunk_tables, count_pieces, piece_chunks, sequence_groups, sequence_piece_chunks,
+)
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.context_parallel import maps_of_pieces, split_specs, split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
@@ -34,7 +36,7 @@ from flash_qla.ops.fused_fwd_opath import BV as OPATH_BLOCK_V
 from flash_qla.ops.fused_fwd_opath import fused_fwd_opath_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
-from flash_qla.ops.launch import current_stream, executable, on_device, side_stream
+from flash_qla.ops.launch import current_stream, executable, on_device, side_stream, stream_pool
 from flash_qla.reference.chunked import CHUNK_SIZE
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -296,6 +298,40 @@ def splits_forward(
     return split_ratio(seqlens, Hv, V, profile, unequal=True) <= SPLIT_GAIN
 
 
+# A split inference forward walks the first lead_pieces pieces of each sequence before compose_maps has their start
+# states, beside the map and offsets walks, one after another from the sequence's initial state
+# (flash_qla.ops.context_parallel.split_walk): the walk after compose_maps walks the rest. That walk runs one block an
+# SM, so a lead is taken where it drops the rest below a multiple of the SMs (a wave of blocks less), at most
+# LEAD_PIECES_MAX pieces a sequence, over at most LEAD_SEQUENCES_MAX sequences (two streams each). The lead walks
+# take SMs the map walk and compose_maps would have had, which then end later: of the wave saved, a part remains.
+# H100, inference forward, lead 0 -> 2 (the planner's choice at each), kernels µs, medians of three interleaved
+# rounds, two runs (benchmark/NOTES.md v96): 16/16 16384+16384 428.4 -> 411.9 and 429.2 -> 413.4, 32/32 28672+4096
+# 823.1 -> 814.8, 16/32 1x32768 756.5 -> 751.4, 16/32 28672+4096 756.3 -> 753.5 and 757.9 -> 753.3. One lead piece
+# saves no wave there and ran slower at two of them (16/16 436.4, 16/32 1x32768 769.5). Not kept: the lead walks of
+# every sequence on one stream (16/16 443.2, 32/32 843.3; within 0.6 % at the others), the map walk's stream at high
+# priority (16/32 28672+4096 757.7 against 753.3, 16/16 410.3 against 413.4). Training forwards take no lead (not
+# measured: their walks over pieces mostly run at 128 columns, where two pieces a sequence rarely save a wave).
+LEAD_PIECES_MAX = 2
+LEAD_SEQUENCES_MAX = 8
+
+
+def lead_pieces(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile) -> int:
+    """How many leading pieces of each sequence a split inference forward walks beside its map walks (0 to
+    LEAD_PIECES_MAX): the fewest that leave the walk over the other pieces, at BV columns, its fewest waves of
+    blocks; 0 where no lead saves a wave (16/32 1x32768: 1024 blocks at 64 columns, 8 waves, 960 after one piece,
+    still 8, 896 after two, 7; 16/32 28672+4096: 768 after two pieces of each sequence, 6; 16/16 16384+16384: 512 ->
+    384 blocks, 4 -> 3 waves)."""
+    counts = [len(c) for c in sequence_piece_chunks(seqlens, profile.chunk, profile.checkpoint_chunks)]
+    if sum(c > 0 for c in counts) > LEAD_SEQUENCES_MAX:
+        return 0
+    per_piece = Hv * (V // BV)
+
+    def waves(lead):
+        return -(-sum(max(0, c - lead) for c in counts) * per_piece // profile.num_sms)
+
+    return min(range(LEAD_PIECES_MAX + 1), key=lambda lead: (waves(lead), lead))
+
+
 def splits_backward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
     """Whether a backward handed no forward's maps (the low-level backward) walks in pieces, forming the maps itself:
     split_ratio at most BACKWARD_SPLIT_GAIN (one sequence: 2/8 from 8705 tokens, 4/16 at 12865-16384, 25345-32768 and
@@ -499,6 +535,7 @@ class ForwardPlan(NamedTuple):
     kkt: Callable  # kkt_solve's executable
     walk: Callable  # the walk's executable: over whole sequences, or over the pieces from their start states
     BV: int  # its V-tile width
+    lead: int  # split: the leading pieces of each sequence walked beside the map walks (lead_pieces)
     keeps_checkpoints: bool  # a training forward that keeps state checkpoints (keeps_checkpoints)
     keep_states: bool  # a training forward that keeps every state (keeps_states)
     # split (else None or ()): the pieces' MAPS and offsets walks, at their width, compose_maps (the executables),
@@ -566,9 +603,10 @@ def forward_plan(
         offsets = executable(kernel(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True))
         compose = executable(compose_maps_kernel(Hv, K, V, profile, has_h0))
         split_buffers = split_specs(N, slots, Hv, K, V, profile)
+    lead = lead_pieces(seqlens, Hv, V, BV, profile) if split and not training else 0
     return ForwardPlan(
-        profile, slots, split, opath, per_block, specs, executable(kkt), executable(walk), BV, keeps, keep_states,
-        map_walk, offsets, BV_maps, compose, split_buffers,
+        profile, slots, split, opath, per_block, specs, executable(kkt), executable(walk), BV, lead, keeps,
+        keep_states, map_walk, offsets, BV_maps, compose, split_buffers,
     )  # fmt: skip
 
 
@@ -647,7 +685,7 @@ def _forward_kernels(
 
         o, final_state = split_walk(
             walk, D, plan.offsets, maps_gate, plan.compose, q, k, v, A, P_maps, cu_seqlens, slots, seqlens, scale, h0,
-            log_norms, profile, b, starts, ends, streams,
+            log_norms, profile, b, starts, ends, streams, plan.lead, stream_pool(q.device, 2 * N) if plan.lead else (),
         )  # fmt: skip
         if training:  # the backward walk and state recompute split the same pieces (flash_qla.ops.backward)
             maps = D, log_norms

@@ -67,6 +67,19 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[device]
 
 
+_stream_pools: dict = {}
+
+
+def stream_pool(device: torch.device, n: int) -> list:
+    """n streams of the device besides side_stream's, the same ones to every caller (grown as asked), for walks
+    that run beside one another (a split forward's lead walks and the walks after its composition, one pair a
+    sequence: flash_qla.ops.context_parallel.split_walk); forked and joined by the orchestration, as side_stream."""
+    pool = _stream_pools.setdefault(device, [])
+    while len(pool) < n:
+        pool.append(torch.cuda.Stream(device))
+    return pool[:n]
+
+
 _current_streams: dict = {}
 
 
@@ -83,14 +96,19 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-@contextlib.contextmanager
 def fork(beside: torch.cuda.Stream, main: torch.cuda.Stream):
     """Launch on `beside` (side_stream) after the work queued on `main`, the current stream (current_stream), so far;
     main is current again after. The caller joins them (main.wait_stream(beside)) before anything on main reads what
     beside wrote. main is the caller's, looked up once for the fork and the join (torch.cuda.stream(beside) would look
     the current stream and device up again)."""
     beside.wait_stream(main)
-    torch.cuda.set_stream(beside)
+    return launching_on(beside, main)
+
+
+@contextlib.contextmanager
+def launching_on(stream: torch.cuda.Stream, main: torch.cuda.Stream):
+    """Launch on `stream`, forked from main (the current stream) by the caller; main is current again after."""
+    torch.cuda.set_stream(stream)
     try:
         yield
     finally:

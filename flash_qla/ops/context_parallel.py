@@ -179,14 +179,15 @@ def split_walk(
     assert streams is not None or not lead, "the lead walks fork from the main stream"
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     o = buffers.new_like(v)
+    beside, main = streams if streams is not None else (None, None)
     leads, rests = _lead_runs(cu_seqlens, slots, seqlens, profile, lead) if lead else ((), ())
     for n, _ in leads:  # forked after kkt_solve: not behind the offsets walk
-        lead_streams[2 * n].wait_stream(streams[1])
+        lead_streams[2 * n].wait_stream(main)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
     # placeholder stand in
     offsets(q, k, v, offsets_gate, A, P, bounds, firsts, log_norms, placeholder, v, b, placeholder, scale)
     for n, runs in leads:
-        with launching_on(lead_streams[2 * n], streams[1]):
+        with launching_on(lead_streams[2 * n], main):
             for j, (piece, (bounds_j, firsts_j)) in enumerate(runs):
                 if j > 0:
                     start = ends[piece - 1 : piece]
@@ -196,7 +197,6 @@ def split_walk(
                     start = initial_state[n : n + 1]
                 walk(bounds_j, firsts_j, start, o, ends[piece : piece + 1])
     if streams is not None:
-        beside, main = streams
         main.wait_stream(beside)
     s0 = placeholder if initial_state is None else initial_state
     compose(D, b, seq_pieces, bounds, firsts, log_norms, s0, starts)

@@ -309,8 +309,12 @@ def splits_forward(
 # 823.1 -> 814.8, 16/32 1x32768 756.5 -> 751.4, 16/32 28672+4096 756.3 -> 753.5 and 757.9 -> 753.3. One lead piece
 # saves no wave there and ran slower at two of them (16/16 436.4, 16/32 1x32768 769.5). Not kept: the lead walks of
 # every sequence on one stream (16/16 443.2, 32/32 843.3; within 0.6 % at the others), the map walk's stream at high
-# priority (16/32 28672+4096 757.7 against 753.3, 16/16 410.3 against 413.4). Training forwards take no lead (not
-# measured: their walks over pieces mostly run at 128 columns, where two pieces a sequence rarely save a wave).
+# priority (16/32 28672+4096 757.7 against 753.3, 16/16 410.3 against 413.4); v97: the lead walks forked after the
+# offsets or the map walk rather than after kkt_solve (16/32 28672+4096 761.0-764.8 against 753.9, 16/16 438.7-443.0
+# against 404.3: they then hold SMs compose_maps waits for), compose_maps or the walks after it on a high-priority
+# stream (within 0.6 %). Leading only the 28672-token sequence at 28672+4096 ran 1.0-1.3 % faster than both (v97; one
+# lead stream leaves the other walks half the SMs); not built. Training forwards take no lead (not measured: their
+# walks over pieces mostly run at 128 columns, where two pieces a sequence rarely save a wave).
 LEAD_PIECES_MAX = 2
 LEAD_SEQUENCES_MAX = 8
 
@@ -395,8 +399,8 @@ def o_path_pays(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
 # the inference forward's walk over sequences of at most PACK_CHUNKS chunks takes several a block (fused_fwd_wide's
 # PACKED) where one a block would run more than PACK_WAVES waves of blocks, each mostly its fixed work (its setup,
 # the first loads' wait): as few a block as keep its blocks within PACK_WAVES waves (two, for the blocks' unequal
-# lengths; one wave ran up to 4 % slower, 0.6 % faster at 2/8 over 1024 of 8 tokens). H100, kernels of the inference forward,
-# one sequence a block -> packed, µs, o and final states bitwise equal (benchmark/NOTES.md v75 step 3): 2/8 1024
+# lengths; one wave ran up to 4 % slower, 0.6 % faster at 2/8 over 1024 of 8 tokens). H100, kernels of the inference
+# forward, one sequence a block -> packed, µs, o and final states bitwise equal (benchmark/NOTES.md v75 step 3): 2/8 1024
 # sequences of 8 tokens 502 -> 345, 512 of 64 292 -> 263, 256 of 128 212 -> 208, (1, 64, 65, 128, 0, 8, 100, 127) x
 # 64 306 -> 272; 16/32 1964 -> 1347, 1125 -> 1077, the mix 1217 -> 1089; at three chunks and more packing loses (v75
 # step 1: 2/8 170 of 192 tokens 192.4 -> 218.8 µs, 16/32 744.6 -> 792.2). Counted as N·Hv / (PACK_WAVES · SMs) a block

@@ -302,27 +302,20 @@ def test_split_opath_forward_matches_pieces_walk(case, poisoned, monkeypatch):
 @pytest.mark.parametrize("output_h", [True, False], ids=["output_h", "o_alone"])
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
 def test_split_forward_lead_pieces(case, output_h, poisoned, monkeypatch):
-    """A split forward walks the first pieces of its sequences beside its map walks (flash_qla.ops.forward.
-    lead_pieces, forced here to 0, 1 and 2 pieces of every sequence, and to 2 of every other one, the first, third, ...
-    (`by_sequence`), the others none; the pieces' walk storing h, or the O path where it pays for o alone): with one,
-    every piece walks from the state it does without (its first from the initial state), so o, h and the final
-    state are bitwise those of the split without a lead; with two, each second piece walks from the first's end state
-    rather than the composed start state: within FWD_TOL of the fp32 reference, and bitwise the same on a second
-    run."""
+    """A split forward walks the first pieces of each sequence beside its map walks (flash_qla.ops.forward.
+    lead_pieces, forced here to 0, 1 and 2; the pieces' walk storing h, or the O path where it pays for o alone):
+    with one, every piece walks from the state it does without (its first from the initial state), so o, h and the
+    final state are bitwise those of the split without a lead; with two, each second piece walks from the first's
+    end state rather than the composed start state: within FWD_TOL of the fp32 reference, and bitwise the same on a
+    second run."""
     from flash_qla.ops import forward as forward_module
 
     x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
     patch_planner(monkeypatch, "splits_forward", lambda *args: True)
     splits = record_calls(monkeypatch, forward_module, "split_walk")
-    leads = {
-        0: lambda seqlens: (0,) * len(seqlens),
-        1: lambda seqlens: (1,) * len(seqlens),
-        2: lambda seqlens: (2,) * len(seqlens),
-        "by_sequence": lambda seqlens: tuple(2 * (n % 2 == 0) for n in range(len(seqlens))),
-    }
     out = {}
-    for lead in (0, 1, 2, 2, "by_sequence"):
-        patch_planner(monkeypatch, "lead_pieces", lambda seqlens, *args, lead=lead: leads[lead](seqlens))
+    for lead in (0, 1, 2, 2):
+        patch_planner(monkeypatch, "lead_pieces", lambda *args, lead=lead: lead)
         got = flash_qla.chunk_gated_delta_rule_fwd(
             **x, initial_state=h0, cu_seqlens=cu, output_h=output_h, output_final_state=True
         )
@@ -331,16 +324,15 @@ def test_split_forward_lead_pieces(case, output_h, poisoned, monkeypatch):
             for name, a, b in zip(("o", "h", "final_state"), got, out[lead]):
                 assert torch.equal(a, b), (name, "not deterministic")
         out[lead] = got
-    assert len(splits) == 5, "every forward split"
+    assert len(splits) == 4, "every forward split"
     for a, b in zip(out[1], out[0]):
         assert torch.equal(a, b), (a.float() - b.float()).abs().max()
     ref = chunk_gated_delta_rule_fwd_ref(
         *(x[n].float() for n in ("q", "k", "v", "g", "beta")), None, h0, cu, True, True
     )
     want = [ref[2], *((ref[3],) if output_h else ()), ref[4]]
-    for lead in (2, "by_sequence"):
-        for got, expected in zip(out[lead], want):
-            assert torch.isfinite(got).all() and rel_l2(got, expected) <= FWD_TOL, (lead, rel_l2(got, expected))
+    for got, expected in zip(out[2], want):
+        assert torch.isfinite(got).all() and rel_l2(got, expected) <= FWD_TOL, rel_l2(got, expected)
 
 
 @contextlib.contextmanager
@@ -923,7 +915,7 @@ def test_split_forward_lead_pieces_in_a_cuda_graph(monkeypatch):
     those inputs, bitwise."""
     case = next(c for c in SPLIT_CASES if c.id == "split_one_long_h0")
     patch_planner(monkeypatch, "splits_forward", lambda *args: True)
-    patch_planner(monkeypatch, "lead_pieces", lambda seqlens, *args: (2,) * len(seqlens))
+    patch_planner(monkeypatch, "lead_pieces", lambda *args: 2)
     static, cu, h0 = case_inputs(case, seed=41)
     static["initial_state"] = h0
 

@@ -25,13 +25,12 @@ there, kkt_solve forms only the bounds, and the map and offsets walks read no P.
 
 The first pieces of a sequence need no composition: the first starts at the initial state, the next at the end
 state of the one before. An inference forward whose walk after compose_maps would run a wave of blocks more
-than it needs walks the first one or two pieces of its longest sequences (as many as keep half the SMs for the
-others: flash_qla.ops.forward.lead_pieces) before compose_maps, beside the map and offsets walks, one after another
-on a stream of the sequence's own; the other pieces then walk from the composed start states, each sequence's on a
-stream of its own (split_walk's lead). H100, timeline of 16/32 28672+4096 with both sequences leading
-(benchmark/NOTES.md v96): the walk after compose_maps 407 -> 301 µs, but the lead walks take SMs the map walk and
-compose_maps had, which end 86 µs later; the forward 756 -> 753 µs (the longer sequence alone leading: 742 -> 734,
-v97), 16/16 16384+16384 428 -> 412.
+than it needs walks each sequence's first one or two pieces (flash_qla.ops.forward.lead_pieces) before
+compose_maps, beside the map and offsets walks, one after another on a stream of the sequence's own; the other
+pieces then walk from the composed start states, each sequence's on a stream of its own (split_walk's lead). H100,
+timeline of 16/32 28672+4096 (benchmark/NOTES.md v96): the walk after compose_maps 407 -> 301 µs, but the lead
+walks take SMs the map walk and compose_maps had, which end 86 µs later; the forward 756 -> 753 µs, 16/16
+16384+16384 428 -> 412.
 
 The start states are the sequential walk's up to rounding (both walks round S to the input
 dtype as a tensor-core operand every chunk, at different points): 2/8 1x32768, o within
@@ -146,7 +145,7 @@ def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
 
 def split_walk(
     walk, D, offsets, offsets_gate, compose, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state,
-    log_norms, profile, b, starts, ends, streams=None, lead=(), lead_streams=(),
+    log_norms, profile, b, starts, ends, streams=None, lead=0, lead_streams=(),
 ):  # fmt: skip
     """o and the final states of the sequences, walked in pieces; fills the pieces' start states.
 
@@ -162,7 +161,7 @@ def split_walk(
     not written); streams: (beside, main) when maps_of_pieces walked D on beside (main, the current stream, then
     waits for it before compose_maps); None when D was walked on the current stream.
 
-    lead (flash_qla.ops.forward.lead_pieces; streams given): the first lead[n] pieces of sequence n need no
+    lead (flash_qla.ops.forward.lead_pieces; streams given): the first `lead` pieces of each sequence need no
     composed start state, and walk before compose_maps, beside the map and offsets walks, one after another on
     lead_streams[2 n] (sequence n's) from the sequence's initial state (zeros without one) and then each from the
     end state of the piece before it (the sequential walk's states: they match the composed ones to rounding);
@@ -177,11 +176,11 @@ def split_walk(
     Hv, V = v.shape[2:]
     K = q.shape[-1]
     bounds, firsts, seq_pieces, _, _, last_rows = _pieces(cu_seqlens, slots, profile)
-    assert streams is not None or not any(lead), "the lead walks fork from the main stream"
+    assert streams is not None or not lead, "the lead walks fork from the main stream"
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     o = buffers.new_like(v)
     beside, main = streams if streams is not None else (None, None)
-    leads, rests = _lead_runs(cu_seqlens, slots, seqlens, profile, lead) if any(lead) else ((), ())
+    leads, rests = _lead_runs(cu_seqlens, slots, seqlens, profile, lead) if lead else ((), ())
     for n, _ in leads:  # forked after kkt_solve: not behind the offsets walk
         lead_streams[2 * n].wait_stream(main)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
@@ -202,7 +201,7 @@ def split_walk(
     s0 = placeholder if initial_state is None else initial_state
     compose(D, b, seq_pieces, bounds, firsts, log_norms, s0, starts)
 
-    if not any(lead):
+    if not lead:
         walk(bounds, firsts, starts, o, ends)
     for n, (first, count, (bounds_n, firsts_n)) in rests:
         with fork(lead_streams[2 * n + 1], main):
@@ -217,12 +216,12 @@ def split_walk(
 
 def _lead_runs(cu_seqlens, slots, seqlens, profile, lead):
     """split_walk's lead walks and the walks after them: ((n, ((piece, tables), ...)), ...) of each sequence n with
-    pieces, its first lead[n] of them (fewer where it has fewer), and ((n, (first, count, tables)), ...) of each
+    pieces, its first `lead` of them (fewer where it has fewer), and ((n, (first, count, tables)), ...) of each
     sequence with pieces past those, the run of them; tables: piece_tables' (bounds, firsts) of the piece or run."""
     C, E = profile.chunk, profile.checkpoint_chunks
     leads, rests, first = [], [], 0
     for n, counts in enumerate(sequence_piece_chunks(seqlens, C, E)):
-        led = min(lead[n], len(counts))
+        led = min(lead, len(counts))
         if led:
             leads.append((n, range(first, first + led)))
         if len(counts) > led:

@@ -298,52 +298,44 @@ def splits_forward(
     return split_ratio(seqlens, Hv, V, profile, unequal=True) <= SPLIT_GAIN
 
 
-# A split inference forward walks the first lead_pieces pieces of its longest sequences before compose_maps has
-# their start states, beside the map and offsets walks, one after another from the sequence's initial state
+# A split inference forward walks the first lead_pieces pieces of each sequence before compose_maps has their start
+# states, beside the map and offsets walks, one after another from the sequence's initial state
 # (flash_qla.ops.context_parallel.split_walk): the walk after compose_maps walks the rest. That walk runs one block an
 # SM, so a lead is taken where it drops the rest below a multiple of the SMs (a wave of blocks less), at most
 # LEAD_PIECES_MAX pieces a sequence, over at most LEAD_SEQUENCES_MAX sequences (two streams each). The lead walks
-# take SMs the map walk and compose_maps would have had, which then end later: of the wave saved, a part remains,
-# and more where the lead walks leave them half the SMs (LEAD_SM_SHARE: only as many sequences lead as walk a piece
-# each on half the SMs at once). H100, inference forward, lead 0 -> 2 (every sequence), kernels µs, medians of three
-# interleaved rounds, two runs (benchmark/NOTES.md v96): 16/16 16384+16384 428.4 -> 411.9 and 429.2 -> 413.4, 32/32
-# 28672+4096 823.1 -> 814.8, 16/32 1x32768 756.5 -> 751.4, 16/32 28672+4096 756.3 -> 753.5 and 757.9 -> 753.3. At
-# 28672+4096, where a piece is 64 blocks, the longer sequence alone leading by two (the half-SM rule's choice) against
-# both, five rounds, two machine starts (v97): 16/32 735.6 and 733.8 against 743.4 and 736.2 (lead 0: 745.0, 741.5),
-# 32/32 799.2 and 800.9 against 802.9 and 797.3 (808.8, 807.3): at most 1 %, within the spread at 32/32; the
-# shorter alone, or one piece of the longer and two of the shorter, lost (746.4, 762.4; 805.7, 824.2). One lead
-# piece saves no wave at the other rows and ran slower at two of them (16/16 436.4, 16/32 1x32768 769.5). Not kept:
-# the lead walks of every sequence on one stream (16/16 443.2, 32/32 843.3; within 0.6 % at the others), the map
-# walk's stream at high priority (16/32 28672+4096 757.7 against 753.3, 16/16 410.3 against 413.4); v97: the lead
-# walks forked after the offsets or the map walk rather than after kkt_solve (16/32 28672+4096 761.0-764.8 against
-# 753.9, 16/16 438.7-443.0 against 404.3: they then hold SMs compose_maps waits for), compose_maps or the walks
-# after it on a high-priority stream (within 0.6 %). Training forwards take no lead (not measured: their walks over
-# pieces mostly run at 128 columns, where two pieces a sequence rarely save a wave).
+# take SMs the map walk and compose_maps would have had, which then end later: of the wave saved, a part remains.
+# H100, inference forward, lead 0 -> 2 (the planner's choice at each), kernels µs, medians of three interleaved
+# rounds, two runs (benchmark/NOTES.md v96): 16/16 16384+16384 428.4 -> 411.9 and 429.2 -> 413.4, 32/32 28672+4096
+# 823.1 -> 814.8, 16/32 1x32768 756.5 -> 751.4, 16/32 28672+4096 756.3 -> 753.5 and 757.9 -> 753.3. One lead piece
+# saves no wave there and ran slower at two of them (16/16 436.4, 16/32 1x32768 769.5). Not kept: the lead walks of
+# every sequence on one stream (16/16 443.2, 32/32 843.3; within 0.6 % at the others), the map walk's stream at high
+# priority (16/32 28672+4096 757.7 against 753.3, 16/16 410.3 against 413.4); v97: the lead walks forked after the
+# offsets or the map walk rather than after kkt_solve (16/32 28672+4096 761.0-764.8 against 753.9, 16/16 438.7-443.0
+# against 404.3: they then hold SMs compose_maps waits for), compose_maps or the walks after it on a high-priority
+# stream (within 0.6 %), and only the sequences with the most pieces leading, as many as walk a piece each on half
+# the SMs (at 28672+4096 the longer alone, one lead stream; built and measured on three machine starts, v97: 16/32
+# -1.0 %, -0.3 %, +0.8 %, 32/32 -0.5 %, +0.5 %, -0.1 % against every sequence leading, within the rounds' spread).
+# Training forwards take no lead (not measured: their walks over pieces mostly run at 128 columns, where two pieces a
+# sequence rarely save a wave).
 LEAD_PIECES_MAX = 2
 LEAD_SEQUENCES_MAX = 8
-LEAD_SM_SHARE = 0.5
 
 
-def lead_pieces(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile) -> tuple:
+def lead_pieces(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile) -> int:
     """How many leading pieces of each sequence a split inference forward walks beside its map walks (0 to
-    LEAD_PIECES_MAX a sequence; () for none). The sequences that lead are those with the most pieces, as many as
-    walk a piece each at once on at most half the SMs (LEAD_SM_SHARE; at least one); they lead by the fewest pieces that leave
-    the walk over the other pieces, at BV columns, its fewest waves of blocks; () where no lead saves a wave (16/32
-    1x32768: 1024 blocks at 64 columns, 8 waves, 960 after one piece, still 8, 896 after two, 7; 16/32 28672+4096:
-    64 blocks a piece, one sequence leads, 896 after two pieces of the longer, 7; 16/16 16384+16384: 32 a piece,
-    both lead, 512 -> 384 blocks, 4 -> 3 waves)."""
+    LEAD_PIECES_MAX): the fewest that leave the walk over the other pieces, at BV columns, its fewest waves of
+    blocks; 0 where no lead saves a wave (16/32 1x32768: 1024 blocks at 64 columns, 8 waves, 960 after one piece,
+    still 8, 896 after two, 7; 16/32 28672+4096: 768 after two pieces of each sequence, 6; 16/16 16384+16384: 512 ->
+    384 blocks, 4 -> 3 waves)."""
     counts = [len(c) for c in sequence_piece_chunks(seqlens, profile.chunk, profile.checkpoint_chunks)]
     if sum(c > 0 for c in counts) > LEAD_SEQUENCES_MAX:
-        return ()
+        return 0
     per_piece = Hv * (V // BV)
-    beside = max(1, int(profile.num_sms * LEAD_SM_SHARE) // per_piece)
-    led = sorted(range(len(counts)), key=lambda n: -counts[n])[:beside]
 
     def waves(lead):
-        return -(-sum(max(0, c - lead * (n in led)) for n, c in enumerate(counts)) * per_piece // profile.num_sms)
+        return -(-sum(max(0, c - lead) for c in counts) * per_piece // profile.num_sms)
 
-    lead = min(range(LEAD_PIECES_MAX + 1), key=lambda lead: (waves(lead), lead))
-    return tuple(lead * (n in led) for n in range(len(counts))) if lead else ()
+    return min(range(LEAD_PIECES_MAX + 1), key=lambda lead: (waves(lead), lead))
 
 
 def splits_backward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
@@ -549,7 +541,7 @@ class ForwardPlan(NamedTuple):
     kkt: Callable  # kkt_solve's executable
     walk: Callable  # the walk's executable: over whole sequences, or over the pieces from their start states
     BV: int  # its V-tile width
-    lead: tuple  # split: the leading pieces of each sequence walked beside the map walks (lead_pieces; () for none)
+    lead: int  # split: the leading pieces of each sequence walked beside the map walks (lead_pieces)
     keeps_checkpoints: bool  # a training forward that keeps state checkpoints (keeps_checkpoints)
     keep_states: bool  # a training forward that keeps every state (keeps_states)
     # split (else None or ()): the pieces' MAPS and offsets walks, at their width, compose_maps (the executables),
@@ -617,7 +609,7 @@ def forward_plan(
         offsets = executable(kernel(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True))
         compose = executable(compose_maps_kernel(Hv, K, V, profile, has_h0))
         split_buffers = split_specs(N, slots, Hv, K, V, profile)
-    lead = lead_pieces(seqlens, Hv, V, BV, profile) if split and not training else ()
+    lead = lead_pieces(seqlens, Hv, V, BV, profile) if split and not training else 0
     return ForwardPlan(
         profile, slots, split, opath, per_block, specs, executable(kkt), executable(walk), BV, lead, keeps,
         keep_states, map_walk, offsets, BV_maps, compose, split_buffers,
@@ -699,8 +691,7 @@ def _forward_kernels(
 
         o, final_state = split_walk(
             walk, D, plan.offsets, maps_gate, plan.compose, q, k, v, A, P_maps, cu_seqlens, slots, seqlens, scale, h0,
-            log_norms, profile, b, starts, ends, streams, plan.lead,
-            stream_pool(q.device, 2 * N) if any(plan.lead) else (),
+            log_norms, profile, b, starts, ends, streams, plan.lead, stream_pool(q.device, 2 * N) if plan.lead else (),
         )  # fmt: skip
         if training:  # the backward walk and state recompute split the same pieces (flash_qla.ops.backward)
             maps = D, log_norms

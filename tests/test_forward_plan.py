@@ -152,10 +152,11 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
         ((32768,), 8, 64, 0),  # 256 (2 waves) -> 240, 224: 2
         ((32768,), 16, 128, 0),  # 256 at 128 columns: 2 waves either way
         ((4096,) * 9, 32, 128, 0),  # more sequences than LEAD_SEQUENCES_MAX
+        ((9000,) + (0,) * 8, 32, 64, 0),  # so, counting the empty ones (a lead of one would save a wave alone)
         ((9000, 0, 70), 32, 64, 1),  # 5 + 1 pieces: 384 (3 waves) -> 256 (2) after one
     ],
     ids=["28672+4096_32_heads", "28672+4096_16_heads", "28672+4096_8_heads", "2x16384_16_heads", "1x32768_32_heads", "1x32768_8_heads",
-         "1x32768_16_heads_128", "9_sequences", "one_piece_and_empty"],  # fmt: skip
+         "1x32768_16_heads_128", "9_sequences", "9_sequences_8_empty", "one_piece_and_empty"],  # fmt: skip
 )
 def test_split_walks_lead_pieces_where_that_saves_a_wave(seqlens, Hv, BV, expected):
     """A split forward walks each sequence's first lead_pieces pieces beside its map walks: the fewest (at most

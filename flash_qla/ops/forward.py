@@ -326,10 +326,10 @@ def lead_pieces(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile) -> int:
     LEAD_PIECES_MAX): the fewest that leave the walk over the other pieces, at BV columns, its fewest waves of
     blocks; 0 where no lead saves a wave (16/32 1x32768: 1024 blocks at 64 columns, 8 waves, 960 after one piece,
     still 8, 896 after two, 7; 16/32 28672+4096: 768 after two pieces of each sequence, 6; 16/16 16384+16384: 512 ->
-    384 blocks, 4 -> 3 waves)."""
-    counts = [len(c) for c in sequence_piece_chunks(seqlens, profile.chunk, profile.checkpoint_chunks)]
-    if sum(c > 0 for c in counts) > LEAD_SEQUENCES_MAX:
+    384 blocks, 4 -> 3 waves), and over more than LEAD_SEQUENCES_MAX sequences, empty ones counted."""
+    if len(seqlens) > LEAD_SEQUENCES_MAX:  # two streams a sequence, empty ones too (split_walk indexes them by n)
         return 0
+    counts = [len(c) for c in sequence_piece_chunks(seqlens, profile.chunk, profile.checkpoint_chunks)]
     per_piece = Hv * (V // BV)
 
     def waves(lead):

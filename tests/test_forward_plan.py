@@ -27,6 +27,7 @@ from flash_qla.ops.forward import (
     kernel_unsupported_reason,
     keeps_checkpoints,
     lead_pieces,
+    split_piece_chunks,
     keeps_states,
     pieces_fit_the_grid,
     sequences_per_block,
@@ -142,26 +143,52 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
 
 
 @pytest.mark.parametrize(
-    "seqlens,Hv,BV,expected",
+    "seqlens,Hv,BV,every,expected",
     [
-        ((28672, 4096), 32, 64, 2),  # 14 + 2 pieces x 64 blocks: 1024 (8 waves) -> 896 after one (7), 768 after two (6)
-        ((28672, 4096), 16, 64, 2),  # 32 blocks a piece: 512 (4 waves) -> 448 (4), 384 (3)
-        ((28672, 4096), 8, 64, 0),  # 16 a piece: 256 (2 waves) -> 224, 192: 2
-        ((16384, 16384), 16, 64, 2),  # 512 (4 waves) -> 448 (4), 384 (3)
-        ((32768,), 32, 64, 2),  # 1024 (8) -> 960 (8), 896 (7)
-        ((32768,), 8, 64, 0),  # 256 (2 waves) -> 240, 224: 2
-        ((32768,), 16, 128, 0),  # 256 at 128 columns: 2 waves either way
-        ((4096,) * 9, 32, 128, 0),  # more sequences than LEAD_SEQUENCES_MAX
-        ((9000,) + (0,) * 8, 32, 64, 0),  # so, counting the empty ones (a lead of one would save a wave alone)
-        ((9000, 0, 70), 32, 64, 1),  # 5 + 1 pieces: 384 (3 waves) -> 256 (2) after one
+        ((28672, 4096), 32, 64, 32, 2),  # 14 + 2 pieces x 64 blocks: 1024 (8 waves) -> 896 after one (7), 768 after two (6)
+        ((28672, 4096), 16, 64, 32, 2),  # 32 blocks a piece: 512 (4 waves) -> 448 (4), 384 (3)
+        ((28672, 4096), 8, 64, 32, 0),  # 16 a piece: 256 (2 waves) -> 224, 192: 2
+        ((16384, 16384), 16, 64, 32, 2),  # 512 (4 waves) -> 448 (4), 384 (3)
+        ((32768,), 32, 64, 32, 2),  # 1024 (8) -> 960 (8), 896 (7)
+        ((32768,), 8, 64, 32, 0),  # 256 (2 waves) -> 240, 224: 2
+        ((32768,), 16, 128, 32, 0),  # 256 at 128 columns: 2 waves either way
+        ((4096,) * 9, 32, 128, 32, 0),  # more sequences than LEAD_SEQUENCES_MAX
+        ((9000,) + (0,) * 8, 32, 64, 32, 0),  # so, counting the empty ones (a lead of one would save a wave alone)
+        ((9000, 0, 70), 32, 64, 32, 1),  # 5 + 1 pieces: 384 (3 waves) -> 256 (2) after one
+        # pieces of 64 chunks: 7 + 1 pieces x 64 blocks, 512 (4 waves) -> 384 (3) after one, 320 (3) after two
+        ((28672, 4096), 32, 64, 64, 1),
+        ((32768,), 32, 64, 64, 2),  # 8 pieces: 512 (4) -> 448 (4), 384 (3)
     ],
     ids=["28672+4096_32_heads", "28672+4096_16_heads", "28672+4096_8_heads", "2x16384_16_heads", "1x32768_32_heads", "1x32768_8_heads",
-         "1x32768_16_heads_128", "9_sequences", "9_sequences_8_empty", "one_piece_and_empty"],  # fmt: skip
+         "1x32768_16_heads_128", "9_sequences", "9_sequences_8_empty", "one_piece_and_empty", "28672+4096_32_heads_64_chunks",
+         "1x32768_32_heads_64_chunks"],  # fmt: skip
 )
-def test_split_walks_lead_pieces_where_that_saves_a_wave(seqlens, Hv, BV, expected):
+def test_split_walks_lead_pieces_where_that_saves_a_wave(seqlens, Hv, BV, every, expected):
     """A split forward walks each sequence's first lead_pieces pieces beside its map walks: the fewest (at most
     LEAD_PIECES_MAX) that leave the walk after compose_maps its fewest waves of blocks, 0 where none saves one."""
-    assert lead_pieces(seqlens, Hv, 128, BV, SM90) == expected
+    assert lead_pieces(seqlens, Hv, 128, BV, SM90, every) == expected
+
+
+@pytest.mark.parametrize(
+    "seqlens,Hv,expected",
+    [
+        ((28672, 4096), 32, 64),  # the walk after the lead 3 waves of 64 chunks (lead 1) against 6 of 32: a tie
+        ((32768,), 32, 64),  # 3 waves of 64 (lead 2: 128 chunks, at most the walk's 192) against 7 of 32
+        ((28672, 4096), 24, 64),  # 2 waves of 64 (lead 2, 128 chunks) against 5 of 32
+        ((16384, 16384), 16, 32),  # the map walks over 8 pieces x 16 heads: 128 blocks, under a wave
+        ((32768,), 8, 32),  # 64 blocks
+        ((9000, 0, 70), 32, 32),  # 3 + 1 pieces of 64 chunks: 128 blocks
+        # 3 + 3 pieces of 64 chunks x 48 blocks: 1 wave after a lead of two, whose 128 chunks outlast it
+        ((12288, 12288), 24, 32),
+    ],
+    ids=["28672+4096_32_heads", "1x32768_32_heads", "28672+4096_24_heads", "2x16384_16_heads", "1x32768_8_heads",
+         "one_piece_and_empty", "2x12288_24_heads"],  # fmt: skip
+)
+def test_o_path_split_walks_longer_pieces_where_they_cost_no_wave(seqlens, Hv, expected):
+    """A split inference forward on the O path walks pieces of 64 chunks where its walk after compose_maps runs no
+    more chunk steps than over pieces of 32, its lead no longer than that walk, and its map walks have a wave of
+    blocks; else pieces of checkpoint_chunks (32)."""
+    assert split_piece_chunks(seqlens, Hv, 128, SM90) == expected
 
 
 @pytest.mark.parametrize(
@@ -867,10 +894,10 @@ def test_precompile_lists_every_forward_kernel():
     }
     # kkt_solve for β in q's dtype and in fp32: with P, and without it (the O-path walk's, with and without h0)
     # with and without the bounds (the O path over a split's pieces); every V-tile width the launcher can choose,
-    # with and without h0 / h, and the two walks of a split walk's maps (M and b); the composition of the maps with
-    # and without an initial state; the walk taking several short sequences a block, at 128 columns, with and
-    # without h0
-    assert len(builds) == 2 * 3 + 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2) + 2 + 2
+    # with and without h0 / h, and the two walks of a split walk's maps (M and b), over pieces of checkpoint_chunks and
+    # of twice that (an inference split on the O path); the composition of the maps with and without an initial
+    # state, over either; the walk taking several short sequences a block, at 128 columns, with and without h0
+    assert len(builds) == 2 * 3 + 2 + len(BLOCK_V_CHOICES) * (2 * 2 + 2 + 2) + 2 + 2 + 2
     assert len(set(builds)) == len(builds)
 
 

@@ -335,6 +335,41 @@ def test_split_forward_lead_pieces(case, output_h, poisoned, monkeypatch):
         assert torch.isfinite(got).all() and rel_l2(got, expected) <= FWD_TOL, rel_l2(got, expected)
 
 
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
+def test_split_forward_longer_pieces(case, poisoned, monkeypatch):
+    """An inference split on the O path walks pieces of 64 chunks where flash_qla.ops.forward.split_piece_chunks
+    says so (forced here to 64 and to 32, each with the lead forced to 0 and to 2): the map and offsets walks skip
+    by the longer pieces' bounds and compose_maps composes them; o and the final state within FWD_TOL of the fp32
+    reference, o within 2 FWD_TOL of the pieces of 32 (each rounds S to the input dtype at other chunks), and
+    split_walk handed the length forced."""
+    import inspect
+
+    from flash_qla.ops import context_parallel
+    from flash_qla.ops import forward as forward_module
+
+    x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
+    patch_planner(monkeypatch, "splits_forward", lambda *args: True)
+    patch_planner(monkeypatch, "o_path_pays", lambda *args: True)
+    splits = record_calls(monkeypatch, forward_module, "split_walk")
+    ref = chunk_gated_delta_rule_fwd_ref(
+        *(x[n].float() for n in ("q", "k", "v", "g", "beta")), None, h0, cu, True, False
+    )
+    out = {}
+    for every in (64, 32):
+        for lead in (0, 2):
+            patch_planner(monkeypatch, "split_piece_chunks", lambda *args, every=every: every)
+            patch_planner(monkeypatch, "lead_pieces", lambda *args, lead=lead: lead)
+            o, ht = flash_qla.chunk_gated_delta_rule(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+            for name, got, want in (("o", o, ref[2]), ("final_state", ht, ref[4])):
+                assert torch.isfinite(got).all(), (every, lead, name, "unwritten (NaN) elements")
+                assert rel_l2(got, want) <= FWD_TOL, (every, lead, name, rel_l2(got, want))
+            out[every, lead] = o
+    signature = inspect.signature(context_parallel.split_walk)
+    assert [signature.bind(*args).arguments["every"] for args in splits] == [64, 64, 32, 32]
+    for lead in (0, 2):
+        assert rel_l2(out[64, lead], out[32, lead]) <= 2 * FWD_TOL, (lead, rel_l2(out[64, lead], out[32, lead]))
+
+
 @contextlib.contextmanager
 def late_map_walk():
     """Within: a split walk's map walk starts ~10 ms (on the H200) after its fork, held back on its stream by a

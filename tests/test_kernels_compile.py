@@ -69,7 +69,7 @@ KERNELS = [
     # a split walk's pieces: M from I with V = 0 (MAPS), b from 0; no o, no h
     ("fused_fwd_maps", fused_fwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, False, True, False, True), ("wgmma", "tma_load")),
     # several short sequences a block (the inference forward over many of them): each chunk's row through the ring
-    ("fused_fwd_wide_packed_h0", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, True, *(False,) * 5, True), ("wgmma_rs", "tma_load")),
+    ("fused_fwd_wide_packed_h0", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, True, *(False,) * 5, None, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_wide_maps", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True, False, True), ("wgmma_rs", "tma_load")),
     ("fused_fwd_offsets", fused_fwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, False, True), ("wgmma", "tma_load")),
     ("fused_fwd_wide_offsets", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True), ("wgmma_rs", "tma_load")),
@@ -77,6 +77,10 @@ KERNELS = [
     # only for the pieces whose map is not negligible)
     ("compose_maps", compose_maps_kernel, (8, 128, 128, SM90, False), ("wgmma", "tma_load", "warpgroup_reg_alloc")),
     ("compose_maps_s0", compose_maps_kernel, (8, 128, 128, SM90, True), ("wgmma", "tma_load", "warpgroup_reg_alloc")),
+    # ... over an inference split's pieces of 64 chunks (flash_qla.ops.forward.split_piece_chunks)
+    ("fused_fwd_wide_maps_64", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True, False, True, False, 64), ("wgmma_rs", "tma_load")),
+    ("fused_fwd_wide_offsets_64", fused_fwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True, False, False, False, 64), ("wgmma_rs", "tma_load")),
+    ("compose_maps_64", compose_maps_kernel, (8, 128, 128, SM90, False, False, 64), ("wgmma", "tma_load", "warpgroup_reg_alloc")),
     # the split backward walk: the pieces' offsets (only dh0 written), the reverse composition
     ("fused_bwd_ends_only", fused_bwd_kernel, (2, 8, 128, 128, 32, "bfloat16", SM90, False, True, True), ("wgmma", "tma_load")),
     ("fused_bwd_wide_ends_only", fused_bwd_wide_kernel, (2, 8, 128, 128, 128, "bfloat16", SM90, False, True, True), ("wgmma_rs", "tma_load")),
@@ -113,6 +117,7 @@ NO_LOCAL_MEMORY = (
     "kkt_solve_without_p_bounds",
     "fused_fwd_opath", "fused_fwd_maps", "fused_fwd_wide_maps", "fused_fwd_offsets", "fused_fwd_wide_offsets",
     "fused_bwd_ends_only", "fused_bwd_wide_ends_only", "compose_maps", "compose_maps_reverse_dht",
+    "fused_fwd_wide_maps_64", "fused_fwd_wide_offsets_64", "compose_maps_64",
     "fused_fwd_wide_packed_h0",
 )  # fmt: skip
 
@@ -176,6 +181,20 @@ def test_maps_walks_read_only_what_they_need(factory, BV):
     # the two map walks take their skips from kkt_solve's bounds (flash_qla.ops.negligible); no other walk reads them
     reads_bounds = re.compile(r"\blog_norms\s*\[")
     assert reads_bounds.search(offsets) and reads_bounds.search(maps) and not reads_bounds.search(recompute)
+
+
+def test_walks_over_longer_pieces_sum_the_bounds_of_every_chunk():
+    """Over pieces of 64 chunks (PIECE_CHUNKS) the map walk's and compose_maps' test of M (negligible.map_negligible)
+    adds two chunks' bounds a lane, and the offsets walk's suffix sums run over 64 chunks: none is the kernel built
+    for pieces of 32 (profile.checkpoint_chunks), and each reads the bounds."""
+    walk = (2, 8, 128, 128, 128, "bfloat16", SM90, False, False, True)
+    for short, long in [
+        ((fused_fwd_wide_kernel, *walk, False, True), (fused_fwd_wide_kernel, *walk, False, True, False, 64)),
+        ((fused_fwd_wide_kernel, *walk), (fused_fwd_wide_kernel, *walk, False, False, False, 64)),
+        ((compose_maps_kernel, 8, 128, 128, SM90, False), (compose_maps_kernel, 8, 128, 128, SM90, False, False, 64)),
+    ]:
+        sources = [build(*args).get_kernel_source() for build, *args in (short, long)]
+        assert sources[0] != sources[1] and all(re.search(r"\blog_norms\s*\[", source) for source in sources)
 
 
 @pytest.mark.parametrize("factory,BV", [(fused_fwd_kernel, 32), (fused_fwd_wide_kernel, 128)])

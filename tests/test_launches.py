@@ -431,7 +431,8 @@ def test_current_stream_is_looked_up_once_per_stream_handle(monkeypatch):
     ids=["28672+4096_planned", "varlen_empty_lead_2", "one_long_lead_1"],
 )
 def test_split_walks_lead_pieces_before_the_composition(launched, monkeypatch, seqlens, heads, h0, lead):
-    """A split forward with a lead (flash_qla.ops.forward.lead_pieces: planned, or forced) walks every piece once:
+    """A split forward with a lead (flash_qla.ops.forward.lead_pieces: planned, over the planned pieces of 64
+    chunks, or forced) walks every piece once:
     each sequence's first `lead` pieces one a launch, the first from the sequence's initial state (zeros without
     one), each next from the end state the one before wrote, and the rest of each sequence in one launch from the
     start states compose_maps writes; each piece's end state in its row of the split's end states."""
@@ -456,14 +457,16 @@ def test_split_walks_lead_pieces_before_the_composition(launched, monkeypatch, s
     monkeypatch.setattr(forward, "split_walk", split_walk)
     monkeypatch.setattr(forward, "splits_forward", lambda *args: True)
     monkeypatch.setattr(forward, "o_path_pays", lambda *args: True)
-    planned = forward.lead_pieces(seqlens, heads[1], 128, 64, SM90) if lead is None else lead
+    every = forward.split_piece_chunks(seqlens, heads[1], 128, SM90)  # 64 chunks at 16/32 28672+4096, else 32
+    assert every == (64 if lead is None else SM90.checkpoint_chunks)
+    planned = forward.lead_pieces(seqlens, heads[1], 128, 64, SM90, every) if lead is None else lead
     if lead is not None:
         monkeypatch.setattr(forward, "lead_pieces", lambda *args: lead)
     q, k, v, g, beta, scale, state, cu = packed_inputs(seqlens, *heads, torch.bfloat16, h0)
     forward.forward_kernels(q, k, v, g, beta, scale, state, cu, True, False, seqlens, True, False, None, True)
     assert planned > 0
     slots = sum(seqlens) // SM90.chunk + len(seqlens)
-    bounds = checkpoint_pieces(cu, SM90.chunk, slots, SM90.checkpoint_chunks)[0].tolist()
+    bounds = checkpoint_pieces(cu, SM90.chunk, slots, every)[0].tolist()
     pieces = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1) if bounds[i] < bounds[i + 1]]
     row = heads[1] * 128 * 128 * 4  # bytes of a piece's state
     walked = {}

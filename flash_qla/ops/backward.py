@@ -374,7 +374,8 @@ def _backward_kernels(
                 log_norms = torch.zeros(Hv, slots, device=q.device)
             D = maps_of_pieces(
                 plan.map_walk, walk_gate(plan.BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, scale,
-                log_norms, profile, buffers.new(*split_specs(N, slots, Hv, K, V, profile)[0], q),
+                log_norms, profile, profile.checkpoint_chunks,
+                buffers.new(*split_specs(N, slots, Hv, K, V, profile.checkpoint_chunks)[0], q),
             )  # fmt: skip
         else:  # a training forward's
             D = maps[0]

@@ -66,11 +66,15 @@ S_BARRIER = 1  # the named barrier of the consumer warpgroup's 128 threads (0 is
 
 
 @kernel_factory
-def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: bool, REVERSE: bool = False):
+def compose_maps_kernel(
+    Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: bool, REVERSE: bool = False, PIECE_CHUNKS: int | None = None
+):  # fmt: skip
     """Compile (or load from TileLang's cache) the composition of the pieces' maps for one config.
 
-    REVERSE: the backward walk's composition, transposed maps over the pieces last to first.
+    REVERSE: the backward walk's composition, transposed maps over the pieces last to first. PIECE_CHUNKS: the
+    chunks a piece has at most, where it is not profile.checkpoint_chunks (flash_qla.ops.forward.split_piece_chunks).
     """
+    PIECE = profile.checkpoint_chunks if PIECE_CHUNKS is None else PIECE_CHUNKS
     pieces = T.dynamic("pieces")
     n_seqs = T.dynamic("n_seqs")
     n_s0 = T.dynamic("n_s0")  # N, or 1 for the placeholder when not HAS_S0
@@ -113,7 +117,7 @@ def compose_maps_kernel(Hv: int, K: int, V: int, profile: ArchProfile, HAS_S0: b
                         s = r % STAGES
                         T.mbarrier_wait_parity(empty[s], ((r // STAGES) & 1) ^ 1)
                         chunks = T.ceildiv(bounds[j + 1] - bounds[j], C)
-                        if map_negligible(log_norms, ih, first_chunks[j], chunks):
+                        if map_negligible(log_norms, ih, first_chunks[j], chunks, PIECE):
                             if tx == 0:
                                 negligible[s] = 1
                         else:

@@ -4,7 +4,8 @@ The exact route, shortened where the gates decay.
 
 A single sequence gives the forward walk Hv · V / BV chains of all its chunks (2/8 at 32768
 tokens: 64 chains of 512 chunks, half the SMs idle). Here the sequence is cut into pieces of
-E = profile.checkpoint_chunks chunks (flash_qla.ops.chunks.checkpoint_pieces) that walk in
+E = profile.checkpoint_chunks chunks (flash_qla.ops.chunks.checkpoint_pieces; an inference forward on the O path
+twice that where flash_qla.ops.forward.split_piece_chunks says so: `every`) that walk in
 parallel. Each piece maps its start state affinely, S_end = M S_start + b, with
 
     M = T_E ··· T_1,  T_c = e^{γ_L} I − Kᵀ diag(e^{γ_L − γ}) A diag(e^γ) K     [K, K]
@@ -93,16 +94,19 @@ from flash_qla.ops.chunks import checkpoint_pieces, first_pieces, piece_tables, 
 from flash_qla.ops.launch import fork, launching_on
 
 
-def split_specs(n_seqs: int, slots: int, Hv: int, K: int, V: int, profile) -> tuple:
-    """((shape, dtype), ...) of a split walk's buffers over n_seqs sequences and `slots` chunk slots, one row per
-    piece of checkpoint_pieces (N + slots // checkpoint_chunks, the empty ones past the last included): D
-    (maps_of_pieces), then b, starts and ends (split_walk)."""
-    n = n_seqs + slots // profile.checkpoint_chunks
+def split_specs(n_seqs: int, slots: int, Hv: int, K: int, V: int, every: int) -> tuple:
+    """((shape, dtype), ...) of a split walk's buffers over n_seqs sequences and `slots` chunk slots in pieces of
+    `every` chunks, one row per piece of checkpoint_pieces (N + slots // every, the empty ones past the last
+    included): D (maps_of_pieces), then b, starts and ends (split_walk)."""
+    n = n_seqs + slots // every
     return ((n, Hv, K, 2 * K), torch.bfloat16), *(((n, Hv, K, V), torch.float32),) * 3
 
 
-def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, D, streams=None):
-    """Fills D [n, Hv, K, 2 K] (split_specs' first) with M − I of each of checkpoint_pieces' n pieces (the rows of
+def maps_of_pieces(
+    maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, every, D, streams=None
+):  # fmt: skip
+    """Fills D [n, Hv, K, 2 K] (split_specs' first) with M − I of each of checkpoint_pieces' n pieces of at most
+    `every` chunks (the rows of
     the empty ones past the last unused), as compose_maps reads it, and returns it: `maps` is the executable of
     the forward walk's MAPS variant, taking maps_gate; it reads neither v nor h0: v, of o's shape and dtype, and
     the placeholder stand in; log_norms: kkt_solve's (no D written where M is negligible; zeros: every chunk walked).
@@ -113,7 +117,7 @@ def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log
     Hv, V = v.shape[2:]
     K = q.shape[-1]
     assert K == V, "the transition M is walked as a state"
-    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, profile.checkpoint_chunks)
+    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, every)
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     with contextlib.nullcontext() if streams is None else fork(*streams):
         maps(q, k, v, maps_gate, A, P, bounds, firsts, log_norms, placeholder, v, D, placeholder, scale)
@@ -123,11 +127,10 @@ def maps_of_pieces(maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log
     return D
 
 
-def _pieces(cu_seqlens, slots, profile):
-    """A split walk's tables: checkpoint_pieces' bounds and firsts, first_pieces' rows of each
-    sequence, n, the pieces counted (an upper bound: the pieces past the last are empty), and
-    sequence_pieces' first and last piece of each sequence (all derived from cu_seqlens once)."""
-    C, E = profile.chunk, profile.checkpoint_chunks
+def _pieces(cu_seqlens, slots, C, E):
+    """A split walk's tables, pieces of at most E chunks of C tokens: checkpoint_pieces' bounds and firsts,
+    first_pieces' rows of each sequence, n, the pieces counted (an upper bound: the pieces past the last are
+    empty), and sequence_pieces' first and last piece of each sequence (all derived from cu_seqlens once)."""
     bounds, firsts, _ = checkpoint_pieces(cu_seqlens, C, slots, E)
     seq_pieces = first_pieces(cu_seqlens, C, slots, E)
     return bounds, firsts, seq_pieces, bounds.numel() - 1, *sequence_pieces(cu_seqlens, C, slots, E)
@@ -145,7 +148,7 @@ def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
 
 def split_walk(
     walk, D, offsets, offsets_gate, compose, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state,
-    log_norms, profile, b, starts, ends, streams=None, lead=0, lead_streams=(),
+    log_norms, profile, every, b, starts, ends, streams=None, lead=0, lead_streams=(),
 ):  # fmt: skip
     """o and the final states of the sequences, walked in pieces; fills the pieces' start states.
 
@@ -156,7 +159,8 @@ def split_walk(
     D: the pieces' maps (maps_of_pieces, at offsets' width); compose: compose_maps' executable (HAS_S0 when
     initial_state is given); q, k [1, T, Hqk, K], v [1, T, Hv, V], A, P [1, T, Hv, C] as the offsets walk
     takes them (it reads no P: any [1, T, Hv, C] tensor of A's dtype stands in); cu_seqlens [N + 1] and the
-    lengths it holds (host ints); initial_state [N, Hv, K, V] float32 or None; log_norms: kkt_solve's; b, starts,
+    lengths it holds (host ints); initial_state [N, Hv, K, V] float32 or None; log_norms: kkt_solve's; every: the
+    pieces' chunks at most (flash_qla.ops.forward.split_piece_chunks; the kernels were built for it); b, starts,
     ends: split_specs' buffers (every piece's offset, start and end state; rows past the last non-empty piece
     not written); streams: (beside, main) when maps_of_pieces walked D on beside (main, the current stream, then
     waits for it before compose_maps); None when D was walked on the current stream.
@@ -175,12 +179,12 @@ def split_walk(
     """
     Hv, V = v.shape[2:]
     K = q.shape[-1]
-    bounds, firsts, seq_pieces, _, _, last_rows = _pieces(cu_seqlens, slots, profile)
+    bounds, firsts, seq_pieces, _, _, last_rows = _pieces(cu_seqlens, slots, profile.chunk, every)
     assert streams is not None or not lead, "the lead walks fork from the main stream"
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     o = buffers.new_like(v)
     beside, main = streams if streams is not None else (None, None)
-    leads, rests = _lead_runs(cu_seqlens, slots, seqlens, profile, lead) if lead else ((), ())
+    leads, rests = _lead_runs(cu_seqlens, slots, seqlens, profile.chunk, every, lead) if lead else ((), ())
     for n, _ in leads:  # forked after kkt_solve: not behind the offsets walk
         lead_streams[2 * n].wait_stream(main)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
@@ -214,11 +218,10 @@ def split_walk(
     return o, _per_sequence(ends, last_rows, seq_pieces, seqlens, initial_state)
 
 
-def _lead_runs(cu_seqlens, slots, seqlens, profile, lead):
+def _lead_runs(cu_seqlens, slots, seqlens, C, E, lead):
     """split_walk's lead walks and the walks after them: ((n, ((piece, tables), ...)), ...) of each sequence n with
     pieces, its first `lead` of them (fewer where it has fewer), and ((n, (first, count, tables)), ...) of each
     sequence with pieces past those, the run of them; tables: piece_tables' (bounds, firsts) of the piece or run."""
-    C, E = profile.chunk, profile.checkpoint_chunks
     leads, rests, first = [], [], 0
     for n, counts in enumerate(sequence_piece_chunks(seqlens, C, E)):
         led = min(lead, len(counts))
@@ -250,7 +253,7 @@ def split_backward_walk(
     """
     Hv, V = dv.shape[2:]
     K = q.shape[-1]
-    bounds, firsts, seq_pieces, n, first_rows, _ = _pieces(cu_seqlens, slots, profile)
+    bounds, firsts, seq_pieces, n, first_rows, _ = _pieces(cu_seqlens, slots, profile.chunk, profile.checkpoint_chunks)
     f32 = torch.float32
     placeholder = buffers.placeholder(dv.device, Hv, K, V)
     offsets = buffers.new((n, Hv, K, V), f32, dv)

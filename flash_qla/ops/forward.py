@@ -321,21 +321,59 @@ LEAD_PIECES_MAX = 2
 LEAD_SEQUENCES_MAX = 8
 
 
-def lead_pieces(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile) -> int:
-    """How many leading pieces of each sequence a split inference forward walks beside its map walks (0 to
-    LEAD_PIECES_MAX): the fewest that leave the walk over the other pieces, at BV columns, its fewest waves of
-    blocks; 0 where no lead saves a wave (16/32 1x32768: 1024 blocks at 64 columns, 8 waves, 960 after one piece,
-    still 8, 896 after two, 7; 16/32 28672+4096: 768 after two pieces of each sequence, 6; 16/16 16384+16384: 512 ->
-    384 blocks, 4 -> 3 waves), and over more than LEAD_SEQUENCES_MAX sequences, empty ones counted."""
+def rest_waves(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile, every: int, lead: int) -> int:
+    """Waves of blocks (one an SM) of a split walk at BV columns over the pieces of at most `every` chunks past
+    each sequence's first `lead`."""
+    counts = [len(c) for c in sequence_piece_chunks(seqlens, profile.chunk, every)]
+    return -(-sum(max(0, c - lead) for c in counts) * Hv * (V // BV) // profile.num_sms)
+
+
+def lead_pieces(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile, every: int) -> int:
+    """How many leading pieces (of at most `every` chunks) of each sequence a split inference forward walks beside
+    its map walks (0 to LEAD_PIECES_MAX): the fewest that leave the walk over the other pieces, at BV columns, its
+    fewest waves of blocks (rest_waves); 0 where no lead saves a wave (pieces of 32 chunks: 16/32 1x32768: 1024
+    blocks at 64 columns, 8 waves, 960 after one piece, still 8, 896 after two, 7; 16/32 28672+4096: 768 after two
+    pieces of each sequence, 6; 16/16 16384+16384: 512 -> 384 blocks, 4 -> 3 waves), and over more than
+    LEAD_SEQUENCES_MAX sequences, empty ones counted."""
     if len(seqlens) > LEAD_SEQUENCES_MAX:  # two streams a sequence, empty ones too (split_walk indexes them by n)
         return 0
-    counts = [len(c) for c in sequence_piece_chunks(seqlens, profile.chunk, profile.checkpoint_chunks)]
-    per_piece = Hv * (V // BV)
+    return min(
+        range(LEAD_PIECES_MAX + 1), key=lambda lead: (rest_waves(seqlens, Hv, V, BV, profile, every, lead), lead)
+    )
 
-    def waves(lead):
-        return -(-sum(max(0, c - lead) for c in counts) * per_piece // profile.num_sms)
 
-    return min(range(LEAD_PIECES_MAX + 1), key=lambda lead: (waves(lead), lead))
+# A split inference forward on the O path walks pieces of 2 · checkpoint_chunks chunks (64) where that leaves its
+# walk after compose_maps no more chunk steps (waves times the piece's chunks, each sequence's lead_pieces walked
+# before) than pieces of checkpoint_chunks (32) do, the lead's own walk (its pieces one after another) no longer than
+# that walk, and the map walks over the pieces a wave of blocks at least (at 128 columns). Where the gates decay, the
+# map and offsets walks then leave out about as many chunks a piece as before, half as many in all, and compose_maps
+# runs half as many steps; where a head's gates barely decay, its map walks run chains twice as long, which cost the
+# split where those walks have fewer blocks than SMs (2/8 1x32768: 64 at 128 columns; not measured). H100,
+# inference forward, 32 -> 64 chunks (the rule's choice), kernels µs, medians of five interleaved rounds, o and the
+# final state within 3.5e-3 of the fp32 reference either way (benchmark/NOTES.md v98): 16/32 28672+4096 737.5 ->
+# 670.3 (750.2 -> 717.2 on another start), 32/32 28672+4096 798.7 -> 737.0 (803.0 -> 739.4), 8/24 28672+4096 563.8 ->
+# 544.8, 16/32 1x32768 731.8 -> 673.6 (744.2 -> 687.7). Where the rule keeps 32: 16/16 16384+16384 405.7 -> 411.4
+# and 4/16 16384+16384 374.1 -> 388.8 over pieces of 64, whose map walks run on 128 blocks beside a lead of two
+# pieces, a chain of 128 chunks. Training forwards walk pieces of checkpoint_chunks: their backward walks and state
+# recompute take the same pieces.
+LONG_PIECE_FACTOR = 2
+
+
+def split_piece_chunks(seqlens, Hv: int, V: int, profile: ArchProfile) -> int:
+    """The chunks a piece of a split inference forward on the O path has at most (the rule above): profile.
+    checkpoint_chunks or LONG_PIECE_FACTOR times it."""
+    short = profile.checkpoint_chunks
+    long = LONG_PIECE_FACTOR * short
+    if count_pieces(seqlens, profile.chunk, long) * Hv < profile.num_sms:  # the map walks' blocks, 128 columns
+        return short
+
+    def rest_chunks(every):
+        lead = lead_pieces(seqlens, Hv, V, OPATH_BLOCK_V, profile, every)
+        rest = rest_waves(seqlens, Hv, V, OPATH_BLOCK_V, profile, every, lead) * every
+        return rest, lead * every
+
+    (rest_long, lead_long), (rest_short, _) = rest_chunks(long), rest_chunks(short)
+    return long if lead_long <= rest_long <= rest_short else short
 
 
 def splits_backward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
@@ -541,6 +579,7 @@ class ForwardPlan(NamedTuple):
     kkt: Callable  # kkt_solve's executable
     walk: Callable  # the walk's executable: over whole sequences, or over the pieces from their start states
     BV: int  # its V-tile width
+    every: int  # split: the chunks a piece has at most (split_piece_chunks; checkpoint_chunks but on the O path)
     lead: int  # split: the leading pieces of each sequence walked beside the map walks (lead_pieces)
     keeps_checkpoints: bool  # a training forward that keeps state checkpoints (keeps_checkpoints)
     keep_states: bool  # a training forward that keeps every state (keeps_states)
@@ -591,7 +630,8 @@ def forward_plan(
     store_h = output_h or keep_states
     map_walk = offsets = BV_maps = compose = None
     split_buffers = ()
-    pieces = count_pieces(seqlens, C, profile.checkpoint_chunks) if split else 0
+    every = split_piece_chunks(seqlens, Hv, V, profile) if split and opath else profile.checkpoint_chunks
+    pieces = count_pieces(seqlens, C, every) if split else 0
     if opath:  # over the sequences, or over the pieces from their start states
         walk = fused_fwd_opath_kernel(Hqk, Hv, K, V, name, profile, has_h0 or split)
     elif per_block > 1:
@@ -603,15 +643,16 @@ def forward_plan(
         walk = walk_kernel(BV)(Hqk, Hv, K, V, BV, name, profile, True, store_h, KEEP_H=keep_states)
     if split:
         BV_maps = choose_block_v(pieces, Hv, V, profile, RECOMPUTE_CHUNK_US)
-        # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY)
+        # M from I with V = 0 (MAPS), b from 0: no h0, no h, no o (STATES_ONLY); pieces of every chunks
         kernel = walk_kernel(BV_maps)
-        map_walk = executable(kernel(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True, False, True))
-        offsets = executable(kernel(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True))
-        compose = executable(compose_maps_kernel(Hv, K, V, profile, has_h0))
-        split_buffers = split_specs(N, slots, Hv, K, V, profile)
-    lead = lead_pieces(seqlens, Hv, V, BV, profile) if split and not training else 0
+        longer = {} if every == profile.checkpoint_chunks else {"PIECE_CHUNKS": every}
+        map_walk = executable(kernel(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True, False, True, **longer))
+        offsets = executable(kernel(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True, **longer))
+        compose = executable(compose_maps_kernel(Hv, K, V, profile, has_h0, **longer))
+        split_buffers = split_specs(N, slots, Hv, K, V, every)
+    lead = lead_pieces(seqlens, Hv, V, BV, profile, every) if split and not training else 0
     return ForwardPlan(
-        profile, slots, split, opath, per_block, specs, executable(kkt), executable(walk), BV, lead, keeps,
+        profile, slots, split, opath, per_block, specs, executable(kkt), executable(walk), BV, every, lead, keeps,
         keep_states, map_walk, offsets, BV_maps, compose, split_buffers,
     )  # fmt: skip
 
@@ -676,7 +717,8 @@ def _forward_kernels(
         maps_gate = walk_gate(plan.BV_maps, gamma, gates)
         P_maps = A if P is None else P  # the map and offsets walks read no P: A stands in where none was formed
         maps_of_pieces(
-            plan.map_walk, maps_gate, q, k, v, A, P_maps, cu_seqlens, slots, scale, log_norms, profile, D, streams
+            plan.map_walk, maps_gate, q, k, v, A, P_maps, cu_seqlens, slots, scale, log_norms, profile, plan.every, D,
+            streams,
         )  # fmt: skip
         if plan.opath:  # the pieces as the O-path walk's sequences, their start states its h0
 
@@ -691,7 +733,8 @@ def _forward_kernels(
 
         o, final_state = split_walk(
             walk, D, plan.offsets, maps_gate, plan.compose, q, k, v, A, P_maps, cu_seqlens, slots, seqlens, scale, h0,
-            log_norms, profile, b, starts, ends, streams, plan.lead, stream_pool(q.device, 2 * N) if plan.lead else (),
+            log_norms, profile, plan.every, b, starts, ends, streams, plan.lead,
+            stream_pool(q.device, 2 * N) if plan.lead else (),
         )  # fmt: skip
         if training:  # the backward walk and state recompute split the same pieces (flash_qla.ops.backward)
             maps = D, log_norms
@@ -737,6 +780,7 @@ def _forward_kernels(
 
 def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K: int = 128, V: int = 128):
     """Every (factory, args) the forward can compile for one head layout and dtype."""
+    long = LONG_PIECE_FACTOR * profile.checkpoint_chunks  # an inference split's longer pieces' PIECE_CHUNKS
     builds = [(kkt_solve_kernel, (Hqk, Hv, K, dtype, profile, beta_dtype)) for beta_dtype in (dtype, "float32")]
     # an inference forward whose walk runs at 64 columns: kkt_solve without P (with the bounds where the O-path
     # walk takes a split's pieces), the O-path walk
@@ -753,11 +797,15 @@ def forward_kernel_builds(profile: ArchProfile, Hqk: int, Hv: int, dtype: str, K
         # the inference walk taking several short sequences a block (sequences_per_block)
         if bv == PACKED_BLOCK_V:
             for has_h0 in (False, True):
-                builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, *(False,) * 5, True)))
-        # the pieces' maps M and offsets b of a split walk (flash_qla.ops.context_parallel)
-        builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, False, True, False, True)))
-        builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, False, False, True)))
+                builds.append((walk_kernel(bv), (Hqk, Hv, K, V, bv, dtype, profile, has_h0, *(False,) * 5, None, True)))
+        # the pieces' maps M and offsets b of a split walk (flash_qla.ops.context_parallel), and the two over an
+        # inference split's longer pieces (split_piece_chunks)
+        split = (Hqk, Hv, K, V, bv, dtype, profile, False, False, True)
+        builds += [(walk_kernel(bv), split + (False, True)), (walk_kernel(bv), split)]
+        maps, offsets = split + (False, True, False, long), split + (False, False, False, long)
+        builds += [(walk_kernel(bv), maps), (walk_kernel(bv), offsets)]
     builds += [(compose_maps_kernel, (Hv, K, V, profile, has_s0)) for has_s0 in (False, True)]
+    builds += [(compose_maps_kernel, (Hv, K, V, profile, has_s0, False, long)) for has_s0 in (False, True)]
     return builds
 
 

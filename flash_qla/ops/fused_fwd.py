@@ -110,6 +110,7 @@ def fused_fwd_kernel(
     CHECKPOINT: bool = False,
     MAPS: bool = False,
     KEEP_H: bool = False,
+    PIECE_CHUNKS: int | None = None,
 ):
     """Compile (or load from TileLang's cache) the fused forward for one static config.
 
@@ -128,11 +129,15 @@ def fused_fwd_kernel(
     Where log_norms show M negligible, it walks no chunk and writes nothing: compose_maps makes the
     same test and reads no D there. Against storing D = −I there, training step 16/32 1x32768
     2781.0 -> 2765.2 µs, inference forward 4/16 1x32768 404.8 -> 393.7 (benchmark/NOTES.md v45).
+    PIECE_CHUNKS (the map and offsets walks): the chunks a split's piece has at most, where it is not
+    profile.checkpoint_chunks (an inference split's longer pieces, flash_qla.ops.forward.split_piece_chunks).
     """
     assert not (CHECKPOINT and STORE_H), "h holds either every state or the checkpoints"
     assert not MAPS or (STATES_ONLY and not (HAS_H0 or STORE_H or CHECKPOINT)), "MAPS walks from I, keeps the end"
     assert not KEEP_H or (STORE_H and not STATES_ONLY), "KEEP_H: h in the input dtype beside o"
-    E = profile.checkpoint_chunks
+    E = profile.checkpoint_chunks  # the checkpoints' spacing (CHECKPOINT)
+    # SKIPS: a split's pieces have at most PIECE chunks (flash_qla.ops.forward.split_piece_chunks)
+    PIECE = profile.checkpoint_chunks if PIECE_CHUNKS is None else PIECE_CHUNKS
     STAGED_H = STORE_H and (STATES_ONLY or KEEP_H)  # h in the input dtype, stored from s_s
     h_dtype = dtype if STAGED_H else "float32"
     ht_dtype, ht_cols = ("bfloat16", 2 * V) if MAPS else ("float32", V)
@@ -183,7 +188,7 @@ def fused_fwd_kernel(
             q, k, v, A, P, o = token_major(q, k, v, A, P, o)
             ihk = ih // GROUPS
             v0 = iv * BV
-            bos, first_chunk = walk_start(log_norms, ih, cu_seqlens, chunk_offsets, n, C, E, SKIPS, MAPS)
+            bos, first_chunk = walk_start(log_norms, ih, cu_seqlens, chunk_offsets, n, C, PIECE, SKIPS, MAPS)
             seqlen = cu_seqlens[n + 1] - bos
 
             q_s = T.alloc_shared([C, K], dtype)

@@ -103,6 +103,7 @@ def fused_fwd_wide_kernel(
     CHECKPOINT: bool = False,
     MAPS: bool = False,
     KEEP_H: bool = False,
+    PIECE_CHUNKS: int | None = None,
     PACKED: bool = False,
 ):
     """Compile (or load from TileLang's cache) the wide-tile fused forward for one static config.
@@ -113,7 +114,9 @@ def fused_fwd_wide_kernel(
     assert not MAPS or (STATES_ONLY and not (HAS_H0 or STORE_H or CHECKPOINT)), "MAPS walks from I, keeps the end"
     assert not KEEP_H or (STORE_H and not STATES_ONLY), "KEEP_H: h in the input dtype beside o"
     assert not PACKED or not (STORE_H or STATES_ONLY or CHECKPOINT), "PACKED: the inference forward (o, final states)"
-    E = profile.checkpoint_chunks
+    E = profile.checkpoint_chunks  # the checkpoints' spacing (CHECKPOINT)
+    # SKIPS: a split's pieces have at most PIECE chunks (flash_qla.ops.forward.split_piece_chunks)
+    PIECE = profile.checkpoint_chunks if PIECE_CHUNKS is None else PIECE_CHUNKS
     assert BV % ROWS_PER_WARPGROUP == 0, "one consumer warpgroup per 64 rows of Sᵀ"
     STAGED_H = STORE_H and (STATES_ONLY or KEEP_H)  # h in the input dtype, staged for its TMA store
     h_dtype = dtype if STAGED_H else "float32"
@@ -160,7 +163,7 @@ def fused_fwd_wide_kernel(
             first_chunk = chunk_offsets[first_seq]
             seqlen = None
         else:
-            bos, first_chunk = walk_start(log_norms, ih, cu_seqlens, chunk_offsets, n, C, E, SKIPS, MAPS)
+            bos, first_chunk = walk_start(log_norms, ih, cu_seqlens, chunk_offsets, n, C, PIECE, SKIPS, MAPS)
             seqlen = cu_seqlens[n + 1] - bos
             end_seq = None
 

@@ -24,13 +24,20 @@ LOG_NEGLIGIBLE = math.log(NEGLIGIBLE)
 
 
 @T.macro
-def map_negligible(log_norms, ih, first, count):
-    """Whether the piece's transition M = T_n ··· T_1 is negligible: Σ_c L_c ≤ ln NEGLIGIBLE. Lane c of
-    the calling warp adds chunk c (a piece has at most 32, profile.checkpoint_chunks); a warp sum gives
-    every lane, and every kernel that asks (the map walk, compose_maps), the same bits."""
+def map_negligible(log_norms, ih, first, count, E: int):
+    """Whether the piece's transition M = T_n ··· T_1 (n = count ≤ E chunks) is negligible: Σ_c L_c ≤ ln
+    NEGLIGIBLE. Lane l of the calling warp adds chunks l, l + 32, ...; a warp sum gives every lane, and every
+    kernel that asks (the map walk, compose_maps), the same bits."""
     lane = T.get_thread_binding() % 32
     total = T.alloc_var("float32")
-    total = T.warp_reduce_sum(T.if_then_else(lane < count, log_norms[ih, first + lane], 0.0))
+    if E <= 32:
+        total = T.warp_reduce_sum(T.if_then_else(lane < count, log_norms[ih, first + lane], 0.0))
+    else:
+        part = T.alloc_var("float32")
+        part = 0.0
+        for r in range(-(-E // 32)):
+            part += T.if_then_else(r * 32 + lane < count, log_norms[ih, first + r * 32 + lane], 0.0)
+        total = T.warp_reduce_sum(part)
     return total <= LOG_NEGLIGIBLE
 
 
@@ -45,8 +52,7 @@ def skipped_first_chunks(log_norms, ih, first, count, E: int, whole: bool):
     skip = T.alloc_var("int32")
     skip = 0
     if whole:
-        assert E <= 32, "a warp's lanes add the piece's chunks"
-        if map_negligible(log_norms, ih, first, count):
+        if map_negligible(log_norms, ih, first, count, E):
             skip = count
     else:  # suffix sums, last chunk first: the first that is negligible gives the largest s
         bound = T.alloc_var("float32")

@@ -177,7 +177,8 @@ def chunk_gated_delta_rule(
         v-heads where its model says the pieces fill the GPU better, flash_qla.ops.forward.splits_forward,
         or a few such sequences over few heads; with a gradient to compute also where only its
         backward gains, e.g. 16/48 at 28672+4096 tokens, but not where the forward keeps every state
-        for it and fills the GPU's SMs without splitting, e.g. 16/32 at 8192) in pieces of 32 chunks that run in
+        for it and fills the GPU's SMs without splitting, e.g. 16/32 at 8192) in pieces of 32 chunks (64 for o
+        alone where that costs the last walk no wave, flash_qla.ops.forward.split_piece_chunks) that run in
         parallel, each from its exact start state
         (DESIGN.md §1's exact route: o and final_state agree with the unsplit walk within
         rounding; the walks that find the start states leave out the chunks whose effect the gates

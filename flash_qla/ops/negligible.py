@@ -30,7 +30,7 @@ def map_negligible(log_norms, ih, first, count, E: int):
     kernel that asks (the map walk, compose_maps), the same bits."""
     lane = T.get_thread_binding() % 32
     total = T.alloc_var("float32")
-    if E <= 32:
+    if E <= 32:  # a chunk a lane
         total = T.warp_reduce_sum(T.if_then_else(lane < count, log_norms[ih, first + lane], 0.0))
     else:
         part = T.alloc_var("float32")

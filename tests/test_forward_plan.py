@@ -180,9 +180,11 @@ def test_split_walks_lead_pieces_where_that_saves_a_wave(seqlens, Hv, BV, every,
         ((9000, 0, 70), 32, 32),  # 3 + 1 pieces of 64 chunks: 128 blocks
         # 3 + 3 pieces of 64 chunks x 48 blocks: 1 wave after a lead of two, whose 128 chunks outlast it
         ((12288, 12288), 24, 32),
+        # 9 pieces of 64 chunks x 40 blocks: 3 waves of 64 (no lead saves one) against 5 of 32 (lead 2)
+        ((36864,), 20, 32),
     ],
     ids=["28672+4096_32_heads", "1x32768_32_heads", "28672+4096_24_heads", "2x16384_16_heads", "1x32768_8_heads",
-         "one_piece_and_empty", "2x12288_24_heads"],  # fmt: skip
+         "one_piece_and_empty", "2x12288_24_heads", "1x36864_20_heads"],  # fmt: skip
 )
 def test_o_path_split_walks_longer_pieces_where_they_cost_no_wave(seqlens, Hv, expected):
     """A split inference forward on the O path walks pieces of 64 chunks where its walk after compose_maps runs no

@@ -439,8 +439,8 @@ def o_path_pays(chunks, Hv: int, V: int, BV: int, profile: ArchProfile) -> bool:
 # the inference forward's walk over sequences of at most PACK_CHUNKS chunks takes several a block (fused_fwd_wide's
 # PACKED) where one a block would run more than PACK_WAVES waves of blocks, each mostly its fixed work (its setup,
 # the first loads' wait): as few a block as keep its blocks within PACK_WAVES waves (two, for the blocks' unequal
-# lengths; one wave ran up to 4 % slower, 0.6 % faster at 2/8 over 1024 of 8 tokens). H100, kernels of the inference forward,
-# one sequence a block -> packed, µs, o and final states bitwise equal (benchmark/NOTES.md v75 step 3): 2/8 1024
+# lengths; one wave ran up to 4 % slower, 0.6 % faster at 2/8 over 1024 of 8 tokens). H100, kernels of the inference
+# forward, one sequence a block -> packed, µs, o and final states bitwise equal (benchmark/NOTES.md v75 step 3): 2/8 1024
 # sequences of 8 tokens 502 -> 345, 512 of 64 292 -> 263, 256 of 128 212 -> 208, (1, 64, 65, 128, 0, 8, 100, 127) x
 # 64 306 -> 272; 16/32 1964 -> 1347, 1125 -> 1077, the mix 1217 -> 1089; at three chunks and more packing loses (v75
 # step 1: 2/8 170 of 192 tokens 192.4 -> 218.8 µs, 16/32 744.6 -> 792.2). Counted as N·Hv / (PACK_WAVES · SMs) a block

@@ -101,7 +101,7 @@ def launched(monkeypatch):
     for module in (forward, backward):
         monkeypatch.setattr(module, "get_profile", lambda device: SM90)
         monkeypatch.setattr(module, "on_device", lambda device: contextlib.nullcontext())
-        monkeypatch.setattr(module, "side_stream", lambda device: Stream())
+        monkeypatch.setattr(module, "side_stream", lambda device, priority=0: Stream())
         monkeypatch.setattr(module, "stream_pool", lambda device, n: [Stream() for _ in range(n)], raising=False)
         monkeypatch.setattr(module, "current_stream", lambda device: Stream())
     monkeypatch.setattr(backward, "multiprocessors", lambda device: SM90.num_sms)
@@ -491,3 +491,21 @@ def test_split_walks_lead_pieces_before_the_composition(launched, monkeypatch, s
             else:
                 assert launch_pieces == count - planned and start == states["starts"] + (first + j) * row
         first += count
+
+
+@pytest.mark.parametrize("training,lead", [(False, 2), (False, 0), (True, 2)], ids=["lead", "no_lead", "training"])
+def test_map_walk_outranks_the_lead_walks(launched, monkeypatch, training, lead):
+    """A split forward walks its maps on launch.side_stream at MAP_WALK_PRIORITY where lead walks run beside them
+    (flash_qla.ops.forward.lead_pieces, forced here), so that the map walk's blocks take free SMs first; without a
+    lead, and in a training forward (which takes none, whatever lead_pieces says), at the default priority, as the
+    backward's side stream."""
+    priorities = []
+    monkeypatch.setattr(forward, "side_stream", lambda device, priority=0: priorities.append(priority) or Stream())
+    monkeypatch.setattr(forward, "splits_forward", lambda *args, **kwargs: True)
+    monkeypatch.setattr(forward, "lead_pieces", lambda *args: lead)
+    seqlens = (28672, 4096)
+    q, k, v, g, beta, scale, state, cu = packed_inputs(seqlens, 16, 32, torch.bfloat16, False)
+    scratch = not training  # a training forward's outputs outlive the call
+    forward.forward_kernels(q, k, v, g, beta, scale, state, cu, True, False, seqlens, True, training, None, scratch)
+    assert forward.MAP_WALK_PRIORITY < 0, "above the default (torch: lower is higher)"
+    assert priorities == [forward.MAP_WALK_PRIORITY if lead and not training else 0]

@@ -308,17 +308,30 @@ def splits_forward(
 # rounds, two runs (benchmark/NOTES.md v96): 16/16 16384+16384 428.4 -> 411.9 and 429.2 -> 413.4, 32/32 28672+4096
 # 823.1 -> 814.8, 16/32 1x32768 756.5 -> 751.4, 16/32 28672+4096 756.3 -> 753.5 and 757.9 -> 753.3. One lead piece
 # saves no wave there and ran slower at two of them (16/16 436.4, 16/32 1x32768 769.5). Not kept: the lead walks of
-# every sequence on one stream (16/16 443.2, 32/32 843.3; within 0.6 % at the others), the map walk's stream at high
-# priority (16/32 28672+4096 757.7 against 753.3, 16/16 410.3 against 413.4); v97: the lead walks forked after the
-# offsets or the map walk rather than after kkt_solve (16/32 28672+4096 761.0-764.8 against 753.9, 16/16 438.7-443.0
-# against 404.3: they then hold SMs compose_maps waits for), compose_maps or the walks after it on a high-priority
-# stream (within 0.6 %), and only the sequences with the most pieces leading, as many as walk a piece each on half
-# the SMs (at 28672+4096 the longer alone, one lead stream; built and measured on three machine starts, v97: 16/32
-# -1.0 %, -0.3 %, +0.8 %, 32/32 -0.5 %, +0.5 %, -0.1 % against every sequence leading, within the rounds' spread).
+# every sequence on one stream (16/16 443.2, 32/32 843.3; within 0.6 % at the others); v97: the lead walks forked
+# after the offsets or the map walk rather than after kkt_solve (16/32 28672+4096 761.0-764.8 against 753.9, 16/16
+# 438.7-443.0 against 404.3: they then hold SMs compose_maps waits for), compose_maps or the walks after it on a
+# high-priority stream (within 0.6 %), and only the sequences with the most pieces leading, as many as walk a piece
+# each on half the SMs (at 28672+4096 the longer alone, one lead stream; built and measured on three machine starts,
+# v97: 16/32 -1.0 %, -0.3 %, +0.8 %, 32/32 -0.5 %, +0.5 %, -0.1 % against every sequence leading, within the rounds'
+# spread).
 # Training forwards take no lead (not measured: their walks over pieces mostly run at 128 columns, where two pieces a
 # sequence rarely save a wave).
+# Beside a lead the map walk runs on a stream of MAP_WALK_PRIORITY (launch.side_stream), above the lead walks' and the
+# offsets walk's default: as the offsets walk's blocks end, the map walk's take their SMs before the lead's do. Left
+# to the hardware, the lead walks took them first in about a third of the calls at 16/32 and 32/32 28672+4096 (two
+# sequences leading: 128 blocks), and the map walk then started as the offsets walk ended, ~90 µs later, and
+# compose_maps and the walk after it with it: those rows ran in two modes ~7 % apart. H100, inference forward,
+# default -> high priority (outputs bitwise equal), kernels µs, medians of 150 calls (six interleaved rounds of 25),
+# two machine starts (benchmark/NOTES.md v100): 16/32 28672+4096 676.8 -> 668.4 and 676.1 -> 662.2, 32/32 28672+4096
+# 767.7 -> 735.3 and 771.5 -> 734.3, 16/16 16384+16384 409.6 -> 403.2 and 407.8 -> 401.7, 4/16 16384+16384 375.2 ->
+# 372.4 and 372.5 -> 369.6. Where no call was slow it costs (the lead's chain of two pieces of 64 chunks then ends
+# later, under the walk after compose_maps): 8/24 28672+4096 557.0 -> 561.5 and 542.7 -> 554.2, 16/32 1x32768 689.5
+# -> 692.4 and 667.4 -> 678.1. At v96's pieces of 32 chunks the same priority was within the rounds' spread (16/32
+# 28672+4096 757.7 against 753.3, 16/16 410.3 against 413.4).
 LEAD_PIECES_MAX = 2
 LEAD_SEQUENCES_MAX = 8
+MAP_WALK_PRIORITY = -1
 
 
 def rest_waves(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile, every: int, lead: int) -> int:
@@ -712,8 +725,9 @@ def _forward_kernels(
         D, b, starts, ends = outs[n_kkt:] or [buffers.new(*spec, q) for spec in plan.split_specs]
         # the walks leave out the chunks of each piece whose part of M, b (and the backward's b') the
         # gates make negligible (log_norms); the map walk runs on a second stream, beside the offsets
-        # walk: where the gates decay, each leaves most SMs idle behind the few pieces it walks in full
-        streams = side_stream(q.device), current_stream(q.device)
+        # walk: where the gates decay, each leaves most SMs idle behind the few pieces it walks in full;
+        # beside a lead, at MAP_WALK_PRIORITY
+        streams = side_stream(q.device, MAP_WALK_PRIORITY if plan.lead else 0), current_stream(q.device)
         maps_gate = walk_gate(plan.BV_maps, gamma, gates)
         P_maps = A if P is None else P  # the map and offsets walks read no P: A stands in where none was formed
         maps_of_pieces(

@@ -58,13 +58,15 @@ def kernel_factory(build):
 _side_streams: dict = {}
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
+def side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
     """A second stream of the device, for a walk beside another one (the backward's state recompute
     beside its walk, a split forward's map walk beside its offset walk), forked from and joined to the
-    caller's stream by the orchestration that uses it."""
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
+    caller's stream by the orchestration that uses it. One a priority (torch's: 0 the default, lower is
+    higher): as SMs free up, the pending blocks of a higher-priority stream's launches take them first."""
+    key = device, priority
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device, priority=priority)
+    return _side_streams[key]
 
 
 _stream_pools: dict = {}

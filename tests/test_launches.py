@@ -493,12 +493,17 @@ def test_split_walks_lead_pieces_before_the_composition(launched, monkeypatch, s
         first += count
 
 
-@pytest.mark.parametrize("training,lead", [(False, 2), (False, 0), (True, 2)], ids=["lead", "no_lead", "training"])
-def test_map_walk_outranks_the_lead_walks(launched, monkeypatch, training, lead):
-    """A split forward walks its maps on launch.side_stream at MAP_WALK_PRIORITY where lead walks run beside them
-    (flash_qla.ops.forward.lead_pieces, forced here), so that the map walk's blocks take free SMs first; without a
-    lead, and in a training forward (which takes none, whatever lead_pieces says), at the default priority, as the
-    backward's side stream."""
+@pytest.mark.parametrize(
+    "training,lead,first",
+    [(False, 1, True), (False, 2, False), (False, 0, False), (True, 1, False)],
+    ids=["lead", "long_lead", "no_lead", "training"],
+)
+def test_map_walk_outranks_short_leads(launched, monkeypatch, training, lead, first):
+    """A split forward walks its maps on launch.side_stream at MAP_WALK_PRIORITY where lead walks of at most
+    MAP_WALK_FIRST_LEAD_CHUNKS chunks run beside them (flash_qla.ops.forward.lead_pieces, forced here: at
+    28672+4096, 16/32, the pieces have 64 chunks), so that the map walk's blocks take free SMs first; beside a longer
+    lead, without one, and in a training forward (which takes none, whatever lead_pieces says), at the default
+    priority, as the backward's side stream."""
     priorities = []
     monkeypatch.setattr(forward, "side_stream", lambda device, priority=0: priorities.append(priority) or Stream())
     monkeypatch.setattr(forward, "splits_forward", lambda *args, **kwargs: True)
@@ -507,5 +512,6 @@ def test_map_walk_outranks_the_lead_walks(launched, monkeypatch, training, lead)
     q, k, v, g, beta, scale, state, cu = packed_inputs(seqlens, 16, 32, torch.bfloat16, False)
     scratch = not training  # a training forward's outputs outlive the call
     forward.forward_kernels(q, k, v, g, beta, scale, state, cu, True, False, seqlens, True, training, None, scratch)
+    assert forward.split_piece_chunks(seqlens, 32, 128, SM90) == forward.MAP_WALK_FIRST_LEAD_CHUNKS == 64
     assert forward.MAP_WALK_PRIORITY < 0, "above the default (torch: lower is higher)"
-    assert priorities == [forward.MAP_WALK_PRIORITY if lead and not training else 0]
+    assert priorities == [forward.MAP_WALK_PRIORITY if first else 0]

@@ -317,21 +317,28 @@ def splits_forward(
 # spread).
 # Training forwards take no lead (not measured: their walks over pieces mostly run at 128 columns, where two pieces a
 # sequence rarely save a wave).
-# Beside a lead the map walk runs on a stream of MAP_WALK_PRIORITY (launch.side_stream), above the lead walks' and the
-# offsets walk's default: as the offsets walk's blocks end, the map walk's take their SMs before the lead's do. Left
-# to the hardware, the lead walks took them first in about a third of the calls at 16/32 and 32/32 28672+4096 (two
-# sequences leading: 128 blocks), and the map walk then started as the offsets walk ended, ~90 µs later, and
-# compose_maps and the walk after it with it: those rows ran in two modes ~7 % apart. H100, inference forward,
-# default -> high priority (outputs bitwise equal), kernels µs, medians of 150 calls (six interleaved rounds of 25),
-# two machine starts (benchmark/NOTES.md v100): 16/32 28672+4096 676.8 -> 668.4 and 676.1 -> 662.2, 32/32 28672+4096
-# 767.7 -> 735.3 and 771.5 -> 734.3, 16/16 16384+16384 409.6 -> 403.2 and 407.8 -> 401.7, 4/16 16384+16384 375.2 ->
-# 372.4 and 372.5 -> 369.6. Where no call was slow it costs (the lead's chain of two pieces of 64 chunks then ends
-# later, under the walk after compose_maps): 8/24 28672+4096 557.0 -> 561.5 and 542.7 -> 554.2, 16/32 1x32768 689.5
-# -> 692.4 and 667.4 -> 678.1. At v96's pieces of 32 chunks the same priority was within the rounds' spread (16/32
-# 28672+4096 757.7 against 753.3, 16/16 410.3 against 413.4).
+# Beside a lead whose chain (its pieces one after another) has at most MAP_WALK_FIRST_LEAD_CHUNKS chunks, the map
+# walk runs on a stream of MAP_WALK_PRIORITY (launch.side_stream), above the lead walks' and the offsets walk's
+# default: as the offsets walk's blocks end, the map walk's take their SMs before the lead's do. Left to the
+# hardware, the lead walks took them first in about a third of the calls at 16/32 and 32/32 28672+4096 (one piece
+# of 64 chunks leading in each of two sequences: 128 blocks), and the map walk then started as the offsets walk
+# ended, ~90 µs later, and compose_maps and the walk after it with it: those rows ran in two modes ~7 % apart. H100,
+# inference forward, default -> high priority (outputs bitwise equal), kernels µs, medians of 150 calls (six
+# interleaved rounds of 25), two machine starts (benchmark/NOTES.md v100), and of 84 calls (four rounds of 21) on a
+# third (v101): 16/32 28672+4096 676.8 -> 668.4, 676.1 -> 662.2 and 675.7 -> 671.0, 32/32 28672+4096 767.7 ->
+# 735.3, 771.5 -> 734.3 and 767.6 -> 733.7, 16/16 16384+16384 (two pieces of 32) 409.6 -> 403.2, 407.8 -> 401.7 and
+# 407.5 -> 403.7, 4/16 16384+16384 375.2 -> 372.4, 372.5 -> 369.6 and 370.5 -> 368.6. A longer lead's chain (two
+# pieces of 64 chunks) is the longer path: ranked below the map walk it ends later, under the walk after
+# compose_maps, at 8/24 28672+4096 557.0 -> 561.5, 542.7 -> 554.2 and 554.4 -> 569.0, 16/32 1x32768 689.5 -> 692.4,
+# 667.4 -> 678.1 and 685.6 -> 691.9; there the map walk keeps the default. Not kept (v101): the lead walks' streams
+# at -2 and the map walk's at -1, or the lead's at -1 and the map walk's at the default: 3.5-11.6 % slower than the
+# better of the two above at every row of those six (16/32 28672+4096 721.6 and 717.6, 8/24 582.8 and 573.8,
+# 16/16 445.2 and 440.4). At v96's pieces of 32 chunks the priority was within the rounds' spread (16/32 28672+4096
+# 757.7 against 753.3, 16/16 410.3 against 413.4).
 LEAD_PIECES_MAX = 2
 LEAD_SEQUENCES_MAX = 8
 MAP_WALK_PRIORITY = -1
+MAP_WALK_FIRST_LEAD_CHUNKS = 64
 
 
 def rest_waves(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile, every: int, lead: int) -> int:
@@ -726,8 +733,9 @@ def _forward_kernels(
         # the walks leave out the chunks of each piece whose part of M, b (and the backward's b') the
         # gates make negligible (log_norms); the map walk runs on a second stream, beside the offsets
         # walk: where the gates decay, each leaves most SMs idle behind the few pieces it walks in full;
-        # beside a lead, at MAP_WALK_PRIORITY
-        streams = side_stream(q.device, MAP_WALK_PRIORITY if plan.lead else 0), current_stream(q.device)
+        # beside a lead of at most MAP_WALK_FIRST_LEAD_CHUNKS chunks, at MAP_WALK_PRIORITY
+        map_first = 0 < plan.lead * plan.every <= MAP_WALK_FIRST_LEAD_CHUNKS
+        streams = side_stream(q.device, MAP_WALK_PRIORITY if map_first else 0), current_stream(q.device)
         maps_gate = walk_gate(plan.BV_maps, gamma, gates)
         P_maps = A if P is None else P  # the map and offsets walks read no P: A stands in where none was formed
         maps_of_pieces(

@@ -56,7 +56,7 @@ def stub_the_gpu(stamps):
         module.executable = lambda kernel: launch
         module.get_profile = lambda device: SM90
         module.on_device = lambda device: contextlib.nullcontext()
-        module.side_stream = lambda device, priority=0: Stream()
+        module.side_stream = lambda device: Stream()
         module.current_stream = lambda device: Stream()
     backward.multiprocessors = lambda device: SM90.num_sms
     torch.cuda.set_stream = lambda stream: None

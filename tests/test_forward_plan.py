@@ -11,7 +11,7 @@ from flash_qla.arch import SM90, profile_by_name, unsupported_reason
 from flash_qla.ops.backward import backward_kernel_builds, beside_widths, grads_parts
 from flash_qla.ops.chunks import (
     checkpoint_pieces, chunk_offsets_of, chunk_rows, chunk_table, chunk_tables, count_pieces, first_pieces,
-    piece_tables, sequence_groups, sequence_piece_chunks, sequence_pieces,
+    sequence_groups, sequence_pieces,
 )  # fmt: skip
 from flash_qla.ops.forward import (
     BLOCK_V_CHOICES,
@@ -26,7 +26,6 @@ from flash_qla.ops.forward import (
     chunk_step_time,
     kernel_unsupported_reason,
     keeps_checkpoints,
-    lead_pieces,
     split_piece_chunks,
     keeps_states,
     pieces_fit_the_grid,
@@ -143,53 +142,24 @@ def test_forward_splits_long_sequences_over_few_heads(seqlens, Hv, expected):
 
 
 @pytest.mark.parametrize(
-    "seqlens,Hv,BV,every,expected",
-    [
-        ((28672, 4096), 32, 64, 32, 2),  # 14 + 2 pieces x 64 blocks: 1024 (8 waves) -> 896 after one (7), 768 after two (6)
-        ((28672, 4096), 16, 64, 32, 2),  # 32 blocks a piece: 512 (4 waves) -> 448 (4), 384 (3)
-        ((28672, 4096), 8, 64, 32, 0),  # 16 a piece: 256 (2 waves) -> 224, 192: 2
-        ((16384, 16384), 16, 64, 32, 2),  # 512 (4 waves) -> 448 (4), 384 (3)
-        ((32768,), 32, 64, 32, 2),  # 1024 (8) -> 960 (8), 896 (7)
-        ((32768,), 8, 64, 32, 0),  # 256 (2 waves) -> 240, 224: 2
-        ((32768,), 16, 128, 32, 0),  # 256 at 128 columns: 2 waves either way
-        ((4096,) * 9, 32, 128, 32, 0),  # more sequences than LEAD_SEQUENCES_MAX
-        ((9000,) + (0,) * 8, 32, 64, 32, 0),  # so, counting the empty ones (a lead of one would save a wave alone)
-        ((9000, 0, 70), 32, 64, 32, 1),  # 5 + 1 pieces: 384 (3 waves) -> 256 (2) after one
-        # pieces of 64 chunks: 7 + 1 pieces x 64 blocks, 512 (4 waves) -> 384 (3) after one, 320 (3) after two
-        ((28672, 4096), 32, 64, 64, 1),
-        ((32768,), 32, 64, 64, 2),  # 8 pieces: 512 (4) -> 448 (4), 384 (3)
-    ],
-    ids=["28672+4096_32_heads", "28672+4096_16_heads", "28672+4096_8_heads", "2x16384_16_heads", "1x32768_32_heads", "1x32768_8_heads",
-         "1x32768_16_heads_128", "9_sequences", "9_sequences_8_empty", "one_piece_and_empty", "28672+4096_32_heads_64_chunks",
-         "1x32768_32_heads_64_chunks"],  # fmt: skip
-)
-def test_split_walks_lead_pieces_where_that_saves_a_wave(seqlens, Hv, BV, every, expected):
-    """A split forward walks each sequence's first lead_pieces pieces beside its map walks: the fewest (at most
-    LEAD_PIECES_MAX) that leave the walk after compose_maps its fewest waves of blocks, 0 where none saves one."""
-    assert lead_pieces(seqlens, Hv, 128, BV, SM90, every) == expected
-
-
-@pytest.mark.parametrize(
     "seqlens,Hv,expected",
     [
-        ((28672, 4096), 32, 64),  # the walk after the lead 3 waves of 64 chunks (lead 1) against 6 of 32: a tie
-        ((32768,), 32, 64),  # 3 waves of 64 (lead 2: 128 chunks, at most the walk's 192) against 7 of 32
-        ((28672, 4096), 24, 64),  # 2 waves of 64 (lead 2, 128 chunks) against 5 of 32
+        ((28672, 4096), 32, 64),  # the walk after compose_maps 4 waves of 64 chunks against 8 of 32: a tie
+        ((32768,), 32, 64),  # 4 waves of 64 against 8 of 32
+        ((28672, 4096), 24, 64),  # 3 waves of 64 against 6 of 32
         ((16384, 16384), 16, 32),  # the map walks over 8 pieces x 16 heads: 128 blocks, under a wave
         ((32768,), 8, 32),  # 64 blocks
         ((9000, 0, 70), 32, 32),  # 3 + 1 pieces of 64 chunks: 128 blocks
-        # 3 + 3 pieces of 64 chunks x 48 blocks: 1 wave after a lead of two, whose 128 chunks outlast it
-        ((12288, 12288), 24, 32),
-        # 9 pieces of 64 chunks x 40 blocks: 3 waves of 64 (no lead saves one) against 5 of 32 (lead 2)
-        ((36864,), 20, 32),
+        ((12288, 12288), 24, 32),  # 3 + 3 pieces of 64 chunks x 48 blocks: 3 waves of 64 against 5 of 32
+        ((36864,), 20, 64),  # 9 pieces of 64 chunks x 40 blocks: 3 waves of 64 against 6 of 32
     ],
     ids=["28672+4096_32_heads", "1x32768_32_heads", "28672+4096_24_heads", "2x16384_16_heads", "1x32768_8_heads",
          "one_piece_and_empty", "2x12288_24_heads", "1x36864_20_heads"],  # fmt: skip
 )
 def test_o_path_split_walks_longer_pieces_where_they_cost_no_wave(seqlens, Hv, expected):
     """A split inference forward on the O path walks pieces of 64 chunks where its walk after compose_maps runs no
-    more chunk steps than over pieces of 32, its lead no longer than that walk, and its map walks have a wave of
-    blocks; else pieces of checkpoint_chunks (32)."""
+    more chunk steps than over pieces of 32 and its map walks have a wave of blocks; else pieces of
+    checkpoint_chunks (32)."""
     assert split_piece_chunks(seqlens, Hv, 128, SM90) == expected
 
 
@@ -422,13 +392,6 @@ def test_checkpoint_pieces(seqlens, every):
         if length:
             assert (first[seq], last[seq]) == (firsts[seq], firsts[seq + 1] - 1)
     assert checkpoint_rows(slots, len(seqlens), SM90) == slots // SM90.checkpoint_chunks + 1 + len(seqlens)
-    # each sequence's pieces from the lengths alone, and the tables of runs of them (a split's lead walks)
-    per_seq = sequence_piece_chunks(seqlens, SM90.chunk, every)
-    assert [len(c) for c in per_seq] == [firsts[i + 1] - firsts[i] for i in range(len(seqlens))]
-    assert [sum(c) for c in per_seq] == [-(-n // SM90.chunk) for n in seqlens]
-    runs = ((0, 1), (1, n - 1), (n - 1, 1))
-    for (i, count), (b, f) in zip(runs, piece_tables(cu, SM90.chunk, slots, every, runs)):
-        assert b.tolist() == bounds[i : i + count + 1].tolist() and f.tolist() == first_chunks[i : i + count + 1].tolist()
 
 
 def test_kernel_support_reasons():

@@ -299,46 +299,10 @@ def test_split_opath_forward_matches_pieces_walk(case, poisoned, monkeypatch):
     assert rel_l2(out[True][0], out[False][0]) <= OPATH_PIECES_TOL, rel_l2(out[True][0], out[False][0])
 
 
-@pytest.mark.parametrize("output_h", [True, False], ids=["output_h", "o_alone"])
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
-def test_split_forward_lead_pieces(case, output_h, poisoned, monkeypatch):
-    """A split forward walks the first pieces of each sequence beside its map walks (flash_qla.ops.forward.
-    lead_pieces, forced here to 0, 1 and 2; the pieces' walk storing h, or the O path where it pays for o alone):
-    with one, every piece walks from the state it does without (its first from the initial state), so o, h and the
-    final state are bitwise those of the split without a lead; with two, each second piece walks from the first's
-    end state rather than the composed start state: within FWD_TOL of the fp32 reference, and bitwise the same on a
-    second run."""
-    from flash_qla.ops import forward as forward_module
-
-    x, cu, h0 = case_inputs(case, seed=zlib.crc32(case.id.encode()))
-    patch_planner(monkeypatch, "splits_forward", lambda *args: True)
-    splits = record_calls(monkeypatch, forward_module, "split_walk")
-    out = {}
-    for lead in (0, 1, 2, 2):
-        patch_planner(monkeypatch, "lead_pieces", lambda *args, lead=lead: lead)
-        got = flash_qla.chunk_gated_delta_rule_fwd(
-            **x, initial_state=h0, cu_seqlens=cu, output_h=output_h, output_final_state=True
-        )
-        got = [t for t in (got[2], got[3], got[4]) if t is not None]
-        if lead in out:
-            for name, a, b in zip(("o", "h", "final_state"), got, out[lead]):
-                assert torch.equal(a, b), (name, "not deterministic")
-        out[lead] = got
-    assert len(splits) == 4, "every forward split"
-    for a, b in zip(out[1], out[0]):
-        assert torch.equal(a, b), (a.float() - b.float()).abs().max()
-    ref = chunk_gated_delta_rule_fwd_ref(
-        *(x[n].float() for n in ("q", "k", "v", "g", "beta")), None, h0, cu, True, True
-    )
-    want = [ref[2], *((ref[3],) if output_h else ()), ref[4]]
-    for got, expected in zip(out[2], want):
-        assert torch.isfinite(got).all() and rel_l2(got, expected) <= FWD_TOL, rel_l2(got, expected)
-
-
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
 def test_split_forward_longer_pieces(case, poisoned, monkeypatch):
     """An inference split on the O path walks pieces of 64 chunks where flash_qla.ops.forward.split_piece_chunks
-    says so (forced here to 64 and to 32, each with the lead forced to 0 and to 2): the map and offsets walks skip
+    says so (forced here to 64 and to 32): the map and offsets walks skip
     by the longer pieces' bounds and compose_maps composes them; o and the final state within FWD_TOL of the fp32
     reference, o within 2 FWD_TOL of the pieces of 32 (each rounds S to the input dtype at other chunks), and
     split_walk handed the length forced."""
@@ -356,18 +320,15 @@ def test_split_forward_longer_pieces(case, poisoned, monkeypatch):
     )
     out = {}
     for every in (64, 32):
-        for lead in (0, 2):
-            patch_planner(monkeypatch, "split_piece_chunks", lambda *args, every=every: every)
-            patch_planner(monkeypatch, "lead_pieces", lambda *args, lead=lead: lead)
-            o, ht = flash_qla.chunk_gated_delta_rule(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
-            for name, got, want in (("o", o, ref[2]), ("final_state", ht, ref[4])):
-                assert torch.isfinite(got).all(), (every, lead, name, "unwritten (NaN) elements")
-                assert rel_l2(got, want) <= FWD_TOL, (every, lead, name, rel_l2(got, want))
-            out[every, lead] = o
+        patch_planner(monkeypatch, "split_piece_chunks", lambda *args, every=every: every)
+        o, ht = flash_qla.chunk_gated_delta_rule(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        for name, got, want in (("o", o, ref[2]), ("final_state", ht, ref[4])):
+            assert torch.isfinite(got).all(), (every, name, "unwritten (NaN) elements")
+            assert rel_l2(got, want) <= FWD_TOL, (every, name, rel_l2(got, want))
+        out[every] = o
     signature = inspect.signature(context_parallel.split_walk)
-    assert [signature.bind(*args).arguments["every"] for args in splits] == [64, 64, 32, 32]
-    for lead in (0, 2):
-        assert rel_l2(out[64, lead], out[32, lead]) <= 2 * FWD_TOL, (lead, rel_l2(out[64, lead], out[32, lead]))
+    assert [signature.bind(*args).arguments["every"] for args in splits] == [64, 32]
+    assert rel_l2(out[64], out[32]) <= 2 * FWD_TOL, rel_l2(out[64], out[32])
 
 
 @contextlib.contextmanager
@@ -943,14 +904,12 @@ def test_strided_inputs_give_the_contiguous_results(layout, case, training, pois
         assert torch.equal(value, want), name
 
 
-def test_split_forward_lead_pieces_in_a_cuda_graph(monkeypatch):
-    """A split inference forward with its lead (flash_qla.ops.forward.lead_pieces, forced to 2: the lead walks and
-    the walks after compose_maps fork onto streams of their own and join the capturing stream again), captured in a
-    CUDA graph and replayed on new inputs copied into the captured ones: o and the final state of the eager call on
-    those inputs, bitwise."""
+def test_split_forward_in_a_cuda_graph(monkeypatch):
+    """A split inference forward (its map walk forks onto launch.side_stream and joins the capturing stream again),
+    captured in a CUDA graph and replayed on new inputs copied into the captured ones: o and the final state of the
+    eager call on those inputs, bitwise."""
     case = next(c for c in SPLIT_CASES if c.id == "split_one_long_h0")
     patch_planner(monkeypatch, "splits_forward", lambda *args: True)
-    patch_planner(monkeypatch, "lead_pieces", lambda *args: 2)
     static, cu, h0 = case_inputs(case, seed=41)
     static["initial_state"] = h0
 

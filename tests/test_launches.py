@@ -101,8 +101,7 @@ def launched(monkeypatch):
     for module in (forward, backward):
         monkeypatch.setattr(module, "get_profile", lambda device: SM90)
         monkeypatch.setattr(module, "on_device", lambda device: contextlib.nullcontext())
-        monkeypatch.setattr(module, "side_stream", lambda device, priority=0: Stream())
-        monkeypatch.setattr(module, "stream_pool", lambda device, n: [Stream() for _ in range(n)], raising=False)
+        monkeypatch.setattr(module, "side_stream", lambda device: Stream())
         monkeypatch.setattr(module, "current_stream", lambda device: Stream())
     monkeypatch.setattr(backward, "multiprocessors", lambda device: SM90.num_sms)
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
@@ -426,17 +425,15 @@ def test_current_stream_is_looked_up_once_per_stream_handle(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "seqlens,heads,h0,lead",
-    [((28672, 4096), (16, 32), True, None), ((5000, 0, 70, 9000), (2, 8), False, 2), ((9000,), (2, 8), True, 1)],
-    ids=["28672+4096_planned", "varlen_empty_lead_2", "one_long_lead_1"],
+    "seqlens,heads,h0",
+    [((28672, 4096), (16, 32), True), ((5000, 0, 70, 9000), (2, 8), False), ((9000,), (2, 8), True)],
+    ids=["28672+4096", "varlen_empty", "one_long"],
 )
-def test_split_walks_lead_pieces_before_the_composition(launched, monkeypatch, seqlens, heads, h0, lead):
-    """A split forward with a lead (flash_qla.ops.forward.lead_pieces: planned, over the planned pieces of 64
-    chunks, or forced) walks every piece once:
-    each sequence's first `lead` pieces one a launch, the first from the sequence's initial state (zeros without
-    one), each next from the end state the one before wrote, and the rest of each sequence in one launch from the
-    start states compose_maps writes; each piece's end state in its row of the split's end states."""
-    from flash_qla.ops import buffers, context_parallel
+def test_split_walk_walks_every_piece_after_the_composition(launched, monkeypatch, seqlens, heads, h0):
+    """A split forward on the O path walks every piece (pieces of 64 chunks at 16/32 28672+4096, else 32:
+    flash_qla.ops.forward.split_piece_chunks) in one launch after compose_maps, over the split's piece tables, from
+    the start states compose_maps writes, each piece's end state into its row of the split's end states."""
+    from flash_qla.ops import context_parallel
 
     walks, states = [], {}
     record = Launch.__call__
@@ -457,61 +454,10 @@ def test_split_walks_lead_pieces_before_the_composition(launched, monkeypatch, s
     monkeypatch.setattr(forward, "split_walk", split_walk)
     monkeypatch.setattr(forward, "splits_forward", lambda *args: True)
     monkeypatch.setattr(forward, "o_path_pays", lambda *args: True)
-    every = forward.split_piece_chunks(seqlens, heads[1], 128, SM90)  # 64 chunks at 16/32 28672+4096, else 32
-    assert every == (64 if lead is None else SM90.checkpoint_chunks)
-    planned = forward.lead_pieces(seqlens, heads[1], 128, 64, SM90, every) if lead is None else lead
-    if lead is not None:
-        monkeypatch.setattr(forward, "lead_pieces", lambda *args: lead)
+    every = forward.split_piece_chunks(seqlens, heads[1], 128, SM90)
+    assert every == (64 if heads == (16, 32) else SM90.checkpoint_chunks)
     q, k, v, g, beta, scale, state, cu = packed_inputs(seqlens, *heads, torch.bfloat16, h0)
     forward.forward_kernels(q, k, v, g, beta, scale, state, cu, True, False, seqlens, True, False, None, True)
-    assert planned > 0
     slots = sum(seqlens) // SM90.chunk + len(seqlens)
     bounds = checkpoint_pieces(cu, SM90.chunk, slots, every)[0].tolist()
-    pieces = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1) if bounds[i] < bounds[i + 1]]
-    row = heads[1] * 128 * 128 * 4  # bytes of a piece's state
-    walked = {}
-    for b, start, end in walks:
-        for i in range(len(b) - 1):
-            piece = pieces.index((b[i], b[i + 1]))
-            assert piece not in walked, "a piece walked twice"
-            assert end + i * row == states["ends"] + piece * row, "the end state in the piece's row"
-            walked[piece] = (start + i * row, len(b) - 1)
-    assert sorted(walked) == list(range(len(pieces))), "every piece walked"
-    # sequence by sequence: the first `planned` pieces alone from the state before them, the rest from starts
-    first = 0
-    zeros = buffers.zero_state(q.device, heads[1], 128, 128).data_ptr()
-    for n, length in enumerate(seqlens):
-        count = sum(1 for a, _ in pieces if cu[n] <= a < cu[n] + length)
-        for j in range(count):
-            start, launch_pieces = walked[first + j]
-            if j == 0:
-                assert launch_pieces == 1 and start == (state[n].data_ptr() if h0 else zeros)
-            elif j < planned:
-                assert launch_pieces == 1 and start == states["ends"] + (first + j - 1) * row
-            else:
-                assert launch_pieces == count - planned and start == states["starts"] + (first + j) * row
-        first += count
-
-
-@pytest.mark.parametrize(
-    "training,lead,first",
-    [(False, 1, True), (False, 2, False), (False, 0, False), (True, 1, False)],
-    ids=["lead", "long_lead", "no_lead", "training"],
-)
-def test_map_walk_outranks_short_leads(launched, monkeypatch, training, lead, first):
-    """A split forward walks its maps on launch.side_stream at MAP_WALK_PRIORITY where lead walks of at most
-    MAP_WALK_FIRST_LEAD_CHUNKS chunks run beside them (flash_qla.ops.forward.lead_pieces, forced here: at
-    28672+4096, 16/32, the pieces have 64 chunks), so that the map walk's blocks take free SMs first; beside a longer
-    lead, without one, and in a training forward (which takes none, whatever lead_pieces says), at the default
-    priority, as the backward's side stream."""
-    priorities = []
-    monkeypatch.setattr(forward, "side_stream", lambda device, priority=0: priorities.append(priority) or Stream())
-    monkeypatch.setattr(forward, "splits_forward", lambda *args, **kwargs: True)
-    monkeypatch.setattr(forward, "lead_pieces", lambda *args: lead)
-    seqlens = (28672, 4096)
-    q, k, v, g, beta, scale, state, cu = packed_inputs(seqlens, 16, 32, torch.bfloat16, False)
-    scratch = not training  # a training forward's outputs outlive the call
-    forward.forward_kernels(q, k, v, g, beta, scale, state, cu, True, False, seqlens, True, training, None, scratch)
-    assert forward.split_piece_chunks(seqlens, 32, 128, SM90) == forward.MAP_WALK_FIRST_LEAD_CHUNKS == 64
-    assert forward.MAP_WALK_PRIORITY < 0, "above the default (torch: lower is higher)"
-    assert priorities == [forward.MAP_WALK_PRIORITY if first else 0]
+    assert walks == [(bounds, states["starts"], states["ends"])]

@@ -44,15 +44,6 @@ def placeholder(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
     return _placeholders[key]
 
 
-def zero_state(device: torch.device, Hv: int, K: int, V: int) -> torch.Tensor:
-    """A state [1, Hv, K, V] fp32 of zeros that the kernels read and never write: a walk's start state where a
-    sequence has no initial state (a split forward's lead walks, flash_qla.ops.context_parallel.split_walk)."""
-    key = ("zeros", device, Hv, K, V)
-    if key not in _placeholders:
-        _placeholders[key] = torch.zeros(1, Hv, K, V, dtype=torch.float32, device=device)
-    return _placeholders[key]
-
-
 def no_bounds(device: torch.device, Hv: int) -> torch.Tensor:
     """The walks' log_norms [Hv, 1] fp32 where their flags say it is not read (every walk but the
     split's map, offset and end walks, flash_qla.ops.context_parallel)."""

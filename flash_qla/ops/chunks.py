@@ -117,34 +117,17 @@ def sequence_pieces(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int
     return seq_pieces[:-1].clamp(max=n - 1), (seq_pieces[1:] - 1).clamp_(min=0)
 
 
-def sequence_piece_chunks(seqlens, chunk: int, every: int) -> list:
-    """The chunk counts of each sequence's pieces of checkpoint_pieces, a list a sequence (empty for a zero-length
-    one), from the sequence lengths (host ints): a sequence's first chunk starts one, and so does each global chunk
-    m · every after it."""
+def piece_chunks(seqlens, chunk: int, every: int) -> list:
+    """The chunk count of each non-empty piece of checkpoint_pieces, in order, from the sequence lengths (host
+    ints): a sequence's first chunk starts one, and so does each global chunk m · every after it."""
     pieces, first = [], 0
     for n in seqlens:
-        end, counts = first + -(-n // chunk), []
+        end = first + -(-n // chunk)
         while first < end:
             nxt = min(end, (first // every + 1) * every)
-            counts.append(nxt - first)
+            pieces.append(nxt - first)
             first = nxt
-        pieces.append(counts)
     return pieces
-
-
-def piece_chunks(seqlens, chunk: int, every: int) -> list:
-    """The chunk count of each non-empty piece of checkpoint_pieces, in order (sequence_piece_chunks' flattened)."""
-    return [c for counts in sequence_piece_chunks(seqlens, chunk, every) for c in counts]
-
-
-@cache_last(device_result=True)
-def piece_tables(cu_seqlens: torch.Tensor, chunk: int, slots: int, every: int, runs: tuple) -> list:
-    """[(bounds, first_chunks), ...]: checkpoint_pieces' tables of each run (first, count) of consecutive pieces,
-    count + 1 entries each, copied out so that each starts at an aligned address (a slice of the tables at an odd
-    piece does not, and a walk reads its table as a whole): what a walk over those pieces alone takes as its
-    cu_seqlens and chunk_offsets. On the device, no sync."""
-    bounds, first_chunks, _ = checkpoint_pieces(cu_seqlens, chunk, slots, every)
-    return [(bounds[i : i + n + 1].clone(), first_chunks[i : i + n + 1].clone()) for i, n in runs]
 
 
 def count_pieces(seqlens, chunk: int, every: int) -> int:

@@ -24,14 +24,13 @@ the pieces from them, giving o (and h) of every chunk; the final state is the la
 end state. For o alone that walk is fused_fwd_opath where it pays (flash_qla.ops.forward.walk_plan): P formed
 there, kkt_solve forms only the bounds, and the map and offsets walks read no P.
 
-The first pieces of a sequence need no composition: the first starts at the initial state, the next at the end
-state of the one before. An inference forward whose walk after compose_maps would run a wave of blocks more
-than it needs walks each sequence's first one or two pieces (flash_qla.ops.forward.lead_pieces) before
-compose_maps, beside the map and offsets walks, one after another on a stream of the sequence's own; the other
-pieces then walk from the composed start states, each sequence's on a stream of its own (split_walk's lead). H100,
-timeline of 16/32 28672+4096 (benchmark/NOTES.md v96): the walk after compose_maps 407 -> 301 µs, but the lead
-walks take SMs the map walk and compose_maps had, which end 86 µs later; the forward 756 -> 753 µs, 16/16
-16384+16384 428 -> 412.
+Not done: walking each sequence's first pieces before compose_maps (their start states need none: the first starts
+at the initial state, the next at the end state of the one before), beside the map and offsets walks, on streams of
+their own, the other pieces after compose_maps on a stream a sequence. Built in session 96 (a lead of one or two
+pieces where that left the walk after compose_maps a wave of blocks less; H100: 16/16 16384+16384 422 -> 405 µs,
+16/32 28672+4096 706 -> 670), it hung the GPU: one call in a few hundred to ~15 000 never finished, at 4/16 and
+16/16 16384+16384, with the library's lead of two pieces and with forced leads of three and four; the same calls
+without a lead ran 31 000 times (H100, benchmark/NOTES.md v103). Its cause is not found; removed in session 103.
 
 The start states are the sequential walk's up to rounding (both walks round S to the input
 dtype as a tensor-core operand every chunk, at different points): 2/8 1x32768, o within
@@ -90,8 +89,8 @@ import contextlib
 import torch
 
 from flash_qla.ops import buffers
-from flash_qla.ops.chunks import checkpoint_pieces, first_pieces, piece_tables, sequence_piece_chunks, sequence_pieces
-from flash_qla.ops.launch import fork, launching_on
+from flash_qla.ops.chunks import checkpoint_pieces, first_pieces, sequence_pieces
+from flash_qla.ops.launch import fork
 
 
 def split_specs(n_seqs: int, slots: int, Hv: int, K: int, V: int, every: int) -> tuple:
@@ -148,7 +147,7 @@ def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
 
 def split_walk(
     walk, D, offsets, offsets_gate, compose, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state,
-    log_norms, profile, every, b, starts, ends, streams=None, lead=0, lead_streams=(),
+    log_norms, profile, every, b, starts, ends, streams=None,
 ):  # fmt: skip
     """o and the final states of the sequences, walked in pieces; fills the pieces' start states.
 
@@ -165,75 +164,26 @@ def split_walk(
     not written); streams: (beside, main) when maps_of_pieces walked D on beside (main, the current stream, then
     waits for it before compose_maps); None when D was walked on the current stream.
 
-    lead (flash_qla.ops.forward.lead_pieces; streams given): the first `lead` pieces of each sequence need no
-    composed start state, and walk before compose_maps, beside the map and offsets walks, one after another on
-    lead_streams[2 n] (sequence n's) from the sequence's initial state (zeros without one) and then each from the
-    end state of the piece before it (the sequential walk's states: they match the composed ones to rounding);
-    after compose_maps the other pieces of sequence n walk on lead_streams[2 n + 1] (2 N streams,
-    launch.stream_pool), each sequence's on a stream of its own, beside one another: two launches on one stream
-    would each wait for the other's last wave. The walk over the rest has fewer blocks, where the lead drops it a
-    wave of them.
-
     Returns o [1, T, Hv, V] and final_state [N, Hv, K, V]; starts holds every piece's start state, in
     checkpoint_pieces' order (a training backward's recompute walks the same pieces from them).
     """
     Hv, V = v.shape[2:]
     K = q.shape[-1]
     bounds, firsts, seq_pieces, _, _, last_rows = _pieces(cu_seqlens, slots, profile.chunk, every)
-    assert streams is not None or not lead, "the lead walks fork from the main stream"
     placeholder = buffers.placeholder(v.device, Hv, K, V)
-    o = buffers.new_like(v)
-    beside, main = streams if streams is not None else (None, None)
-    leads, rests = _lead_runs(cu_seqlens, slots, seqlens, profile.chunk, every, lead) if lead else ((), ())
-    for n, _ in leads:  # forked after kkt_solve: not behind the offsets walk
-        lead_streams[2 * n].wait_stream(main)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
     # placeholder stand in
     offsets(q, k, v, offsets_gate, A, P, bounds, firsts, log_norms, placeholder, v, b, placeholder, scale)
-    for n, runs in leads:
-        with launching_on(lead_streams[2 * n], main):
-            for j, (piece, (bounds_j, firsts_j)) in enumerate(runs):
-                if j > 0:
-                    start = ends[piece - 1 : piece]
-                elif initial_state is None:
-                    start = buffers.zero_state(v.device, Hv, K, V)
-                else:
-                    start = initial_state[n : n + 1]
-                walk(bounds_j, firsts_j, start, o, ends[piece : piece + 1])
     if streams is not None:
+        beside, main = streams
         main.wait_stream(beside)
     s0 = placeholder if initial_state is None else initial_state
     compose(D, b, seq_pieces, bounds, firsts, log_norms, s0, starts)
 
-    if not lead:
-        walk(bounds, firsts, starts, o, ends)
-    for n, (first, count, (bounds_n, firsts_n)) in rests:
-        with fork(lead_streams[2 * n + 1], main):
-            walk(bounds_n, firsts_n, starts[first : first + count], o, ends[first : first + count])
-    for n, _ in leads:
-        main.wait_stream(lead_streams[2 * n])
-    for n, _ in rests:
-        main.wait_stream(lead_streams[2 * n + 1])
+    o = buffers.new_like(v)
+    walk(bounds, firsts, starts, o, ends)
     # each sequence's last piece ends at its final state
     return o, _per_sequence(ends, last_rows, seq_pieces, seqlens, initial_state)
-
-
-def _lead_runs(cu_seqlens, slots, seqlens, C, E, lead):
-    """split_walk's lead walks and the walks after them: ((n, ((piece, tables), ...)), ...) of each sequence n with
-    pieces, its first `lead` of them (fewer where it has fewer), and ((n, (first, count, tables)), ...) of each
-    sequence with pieces past those, the run of them; tables: piece_tables' (bounds, firsts) of the piece or run."""
-    leads, rests, first = [], [], 0
-    for n, counts in enumerate(sequence_piece_chunks(seqlens, C, E)):
-        led = min(lead, len(counts))
-        if led:
-            leads.append((n, range(first, first + led)))
-        if len(counts) > led:
-            rests.append((n, first + led, len(counts) - led))
-        first += len(counts)
-    runs = [(piece, 1) for _, pieces in leads for piece in pieces] + [(first, count) for _, first, count in rests]
-    tables = iter(piece_tables(cu_seqlens, C, slots, E, tuple(runs)))
-    leads = [(n, [(piece, next(tables)) for piece in pieces]) for n, pieces in leads]
-    return leads, [(n, (first, count, next(tables))) for n, first, count in rests]
 
 
 def split_backward_walk(

@@ -26,9 +26,7 @@ import torch
 
 from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
-from flash_qla.ops.chunks import (
-    chunk_rows, chunk_tables, count_pieces, piece_chunks, sequence_groups, sequence_piece_chunks,
-)
+from flash_qla.ops.chunks import chunk_rows, chunk_tables, count_pieces, piece_chunks, sequence_groups
 from flash_qla.ops.compose_maps import compose_maps_kernel
 from flash_qla.ops.context_parallel import maps_of_pieces, split_specs, split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
@@ -36,7 +34,7 @@ from flash_qla.ops.fused_fwd_opath import BV as OPATH_BLOCK_V
 from flash_qla.ops.fused_fwd_opath import fused_fwd_opath_kernel
 from flash_qla.ops.fused_fwd_wide import fused_fwd_wide_kernel
 from flash_qla.ops.kkt_solve import kkt_solve_kernel
-from flash_qla.ops.launch import current_stream, executable, on_device, side_stream, stream_pool
+from flash_qla.ops.launch import current_stream, executable, on_device, side_stream
 from flash_qla.reference.chunked import CHUNK_SIZE
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -298,84 +296,25 @@ def splits_forward(
     return split_ratio(seqlens, Hv, V, profile, unequal=True) <= SPLIT_GAIN
 
 
-# A split inference forward walks the first lead_pieces pieces of each sequence before compose_maps has their start
-# states, beside the map and offsets walks, one after another from the sequence's initial state
-# (flash_qla.ops.context_parallel.split_walk): the walk after compose_maps walks the rest. That walk runs one block an
-# SM, so a lead is taken where it drops the rest below a multiple of the SMs (a wave of blocks less), at most
-# LEAD_PIECES_MAX pieces a sequence, over at most LEAD_SEQUENCES_MAX sequences (two streams each). The lead walks
-# take SMs the map walk and compose_maps would have had, which then end later: of the wave saved, a part remains.
-# H100, inference forward, lead 0 -> 2 (the planner's choice at each), kernels µs, medians of three interleaved
-# rounds, two runs (benchmark/NOTES.md v96): 16/16 16384+16384 428.4 -> 411.9 and 429.2 -> 413.4, 32/32 28672+4096
-# 823.1 -> 814.8, 16/32 1x32768 756.5 -> 751.4, 16/32 28672+4096 756.3 -> 753.5 and 757.9 -> 753.3. One lead piece
-# saves no wave there and ran slower at two of them (16/16 436.4, 16/32 1x32768 769.5). Not kept: the lead walks of
-# every sequence on one stream (16/16 443.2, 32/32 843.3; within 0.6 % at the others); v97: the lead walks forked
-# after the offsets or the map walk rather than after kkt_solve (16/32 28672+4096 761.0-764.8 against 753.9, 16/16
-# 438.7-443.0 against 404.3: they then hold SMs compose_maps waits for), compose_maps or the walks after it on a
-# high-priority stream (within 0.6 %), and only the sequences with the most pieces leading, as many as walk a piece
-# each on half the SMs (at 28672+4096 the longer alone, one lead stream; built and measured on three machine starts,
-# v97: 16/32 -1.0 %, -0.3 %, +0.8 %, 32/32 -0.5 %, +0.5 %, -0.1 % against every sequence leading, within the rounds'
-# spread).
-# Training forwards take no lead (not measured: their walks over pieces mostly run at 128 columns, where two pieces a
-# sequence rarely save a wave).
-# Beside a lead whose chain (its pieces one after another) has at most MAP_WALK_FIRST_LEAD_CHUNKS chunks, the map
-# walk runs on a stream of MAP_WALK_PRIORITY (launch.side_stream), above the lead walks' and the offsets walk's
-# default: as the offsets walk's blocks end, the map walk's take their SMs before the lead's do. Left to the
-# hardware, the lead walks took them first in about a third of the calls at 16/32 and 32/32 28672+4096 (one piece
-# of 64 chunks leading in each of two sequences: 128 blocks), and the map walk then started as the offsets walk
-# ended, ~90 µs later, and compose_maps and the walk after it with it: those rows ran in two modes ~7 % apart. H100,
-# inference forward, default -> high priority (outputs bitwise equal), kernels µs, medians of 150 calls (six
-# interleaved rounds of 25), two machine starts (benchmark/NOTES.md v100), and of 84 calls (four rounds of 21) on a
-# third (v101): 16/32 28672+4096 676.8 -> 668.4, 676.1 -> 662.2 and 675.7 -> 671.0, 32/32 28672+4096 767.7 ->
-# 735.3, 771.5 -> 734.3 and 767.6 -> 733.7, 16/16 16384+16384 (two pieces of 32) 409.6 -> 403.2, 407.8 -> 401.7 and
-# 407.5 -> 403.7, 4/16 16384+16384 375.2 -> 372.4, 372.5 -> 369.6 and 370.5 -> 368.6. A longer lead's chain (two
-# pieces of 64 chunks) is the longer path: ranked below the map walk it ends later, under the walk after
-# compose_maps, at 8/24 28672+4096 557.0 -> 561.5, 542.7 -> 554.2 and 554.4 -> 569.0, 16/32 1x32768 689.5 -> 692.4,
-# 667.4 -> 678.1 and 685.6 -> 691.9; there the map walk keeps the default. Not kept (v101): the lead walks' streams
-# at -2 and the map walk's at -1, or the lead's at -1 and the map walk's at the default: 3.5-11.6 % slower than the
-# better of the two above at every row of those six (16/32 28672+4096 721.6 and 717.6, 8/24 582.8 and 573.8,
-# 16/16 445.2 and 440.4). At v96's pieces of 32 chunks the priority was within the rounds' spread (16/32 28672+4096
-# 757.7 against 753.3, 16/16 410.3 against 413.4).
-LEAD_PIECES_MAX = 2
-LEAD_SEQUENCES_MAX = 8
-MAP_WALK_PRIORITY = -1
-MAP_WALK_FIRST_LEAD_CHUNKS = 64
-
-
-def rest_waves(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile, every: int, lead: int) -> int:
-    """Waves of blocks (one an SM) of a split walk at BV columns over the pieces of at most `every` chunks past
-    each sequence's first `lead`."""
-    counts = [len(c) for c in sequence_piece_chunks(seqlens, profile.chunk, every)]
-    return -(-sum(max(0, c - lead) for c in counts) * Hv * (V // BV) // profile.num_sms)
-
-
-def lead_pieces(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile, every: int) -> int:
-    """How many leading pieces (of at most `every` chunks) of each sequence a split inference forward walks beside
-    its map walks (0 to LEAD_PIECES_MAX): the fewest that leave the walk over the other pieces, at BV columns, its
-    fewest waves of blocks (rest_waves); 0 where no lead saves a wave (pieces of 32 chunks: 16/32 1x32768: 1024
-    blocks at 64 columns, 8 waves, 960 after one piece, still 8, 896 after two, 7; 16/32 28672+4096: 768 after two
-    pieces of each sequence, 6; 16/16 16384+16384: 512 -> 384 blocks, 4 -> 3 waves), and over more than
-    LEAD_SEQUENCES_MAX sequences, empty ones counted."""
-    if len(seqlens) > LEAD_SEQUENCES_MAX:  # two streams a sequence, empty ones too (split_walk indexes them by n)
-        return 0
-    return min(
-        range(LEAD_PIECES_MAX + 1), key=lambda lead: (rest_waves(seqlens, Hv, V, BV, profile, every, lead), lead)
-    )
+def walk_waves(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile, every: int) -> int:
+    """Waves of blocks (one an SM) of a split walk at BV columns over the pieces of at most `every` chunks."""
+    return -(-count_pieces(seqlens, profile.chunk, every) * Hv * (V // BV) // profile.num_sms)
 
 
 # A split inference forward on the O path walks pieces of 2 · checkpoint_chunks chunks (64) where that leaves its
-# walk after compose_maps no more chunk steps (waves times the piece's chunks, each sequence's lead_pieces walked
-# before) than pieces of checkpoint_chunks (32) do, the lead's own walk (its pieces one after another) no longer than
-# that walk, and the map walks over the pieces a wave of blocks at least (at 128 columns). Where the gates decay, the
-# map and offsets walks then leave out about as many chunks a piece as before, half as many in all, and compose_maps
+# walk after compose_maps no more chunk steps (waves times the piece's chunks) than pieces of checkpoint_chunks (32)
+# do, and the map walks over the pieces a wave of blocks at least (at 128 columns). Where the gates decay, the map
+# and offsets walks then leave out about as many chunks a piece as before, half as many in all, and compose_maps
 # runs half as many steps; where a head's gates barely decay, its map walks run chains twice as long, which cost the
 # split where those walks have fewer blocks than SMs (2/8 1x32768: 64 at 128 columns; not measured). H100,
 # inference forward, 32 -> 64 chunks (the rule's choice), kernels µs, medians of five interleaved rounds, o and the
-# final state within 3.5e-3 of the fp32 reference either way (benchmark/NOTES.md v98): 16/32 28672+4096 737.5 ->
-# 670.3 (750.2 -> 717.2 on another start), 32/32 28672+4096 798.7 -> 737.0 (803.0 -> 739.4), 8/24 28672+4096 563.8 ->
-# 544.8, 16/32 1x32768 731.8 -> 673.6 (744.2 -> 687.7). Where the rule keeps 32: 16/16 16384+16384 405.7 -> 411.4
-# and 4/16 16384+16384 374.1 -> 388.8 over pieces of 64, whose map walks run on 128 blocks beside a lead of two
-# pieces, a chain of 128 chunks. Training forwards walk pieces of checkpoint_chunks: their backward walks and state
-# recompute take the same pieces.
+# final state within 3.5e-3 of the fp32 reference either way (benchmark/NOTES.md v98; each sequence's first pieces
+# then walked beside the map walks, a lead removed in session 103: flash_qla.ops.context_parallel): 16/32
+# 28672+4096 737.5 -> 670.3 (750.2 -> 717.2 on another start), 32/32 28672+4096 798.7 -> 737.0 (803.0 -> 739.4),
+# 8/24 28672+4096 563.8 -> 544.8, 16/32 1x32768 731.8 -> 673.6 (744.2 -> 687.7). Without the lead, 16/32 28672+4096
+# at 64 chunks 706.4 (v102), at 32 756.3 (v96). Where the rule keeps 32 (with the lead, v98): 16/16 16384+16384
+# 405.7 -> 411.4 and 4/16 16384+16384 374.1 -> 388.8 over pieces of 64. Training forwards walk pieces of
+# checkpoint_chunks: their backward walks and state recompute take the same pieces.
 LONG_PIECE_FACTOR = 2
 
 
@@ -387,13 +326,10 @@ def split_piece_chunks(seqlens, Hv: int, V: int, profile: ArchProfile) -> int:
     if count_pieces(seqlens, profile.chunk, long) * Hv < profile.num_sms:  # the map walks' blocks, 128 columns
         return short
 
-    def rest_chunks(every):
-        lead = lead_pieces(seqlens, Hv, V, OPATH_BLOCK_V, profile, every)
-        rest = rest_waves(seqlens, Hv, V, OPATH_BLOCK_V, profile, every, lead) * every
-        return rest, lead * every
+    def walk_chunks(every):
+        return walk_waves(seqlens, Hv, V, OPATH_BLOCK_V, profile, every) * every
 
-    (rest_long, lead_long), (rest_short, _) = rest_chunks(long), rest_chunks(short)
-    return long if lead_long <= rest_long <= rest_short else short
+    return long if walk_chunks(long) <= walk_chunks(short) else short
 
 
 def splits_backward(seqlens, Hv: int, V: int, profile: ArchProfile) -> bool:
@@ -600,7 +536,6 @@ class ForwardPlan(NamedTuple):
     walk: Callable  # the walk's executable: over whole sequences, or over the pieces from their start states
     BV: int  # its V-tile width
     every: int  # split: the chunks a piece has at most (split_piece_chunks; checkpoint_chunks but on the O path)
-    lead: int  # split: the leading pieces of each sequence walked beside the map walks (lead_pieces)
     keeps_checkpoints: bool  # a training forward that keeps state checkpoints (keeps_checkpoints)
     keep_states: bool  # a training forward that keeps every state (keeps_states)
     # split (else None or ()): the pieces' MAPS and offsets walks, at their width, compose_maps (the executables),
@@ -670,9 +605,8 @@ def forward_plan(
         offsets = executable(kernel(Hqk, Hv, K, V, BV_maps, name, profile, False, False, True, **longer))
         compose = executable(compose_maps_kernel(Hv, K, V, profile, has_h0, **longer))
         split_buffers = split_specs(N, slots, Hv, K, V, every)
-    lead = lead_pieces(seqlens, Hv, V, BV, profile, every) if split and not training else 0
     return ForwardPlan(
-        profile, slots, split, opath, per_block, specs, executable(kkt), executable(walk), BV, every, lead, keeps,
+        profile, slots, split, opath, per_block, specs, executable(kkt), executable(walk), BV, every, keeps,
         keep_states, map_walk, offsets, BV_maps, compose, split_buffers,
     )  # fmt: skip
 
@@ -732,10 +666,8 @@ def _forward_kernels(
         D, b, starts, ends = outs[n_kkt:] or [buffers.new(*spec, q) for spec in plan.split_specs]
         # the walks leave out the chunks of each piece whose part of M, b (and the backward's b') the
         # gates make negligible (log_norms); the map walk runs on a second stream, beside the offsets
-        # walk: where the gates decay, each leaves most SMs idle behind the few pieces it walks in full;
-        # beside a lead of at most MAP_WALK_FIRST_LEAD_CHUNKS chunks, at MAP_WALK_PRIORITY
-        map_first = 0 < plan.lead * plan.every <= MAP_WALK_FIRST_LEAD_CHUNKS
-        streams = side_stream(q.device, MAP_WALK_PRIORITY if map_first else 0), current_stream(q.device)
+        # walk: where the gates decay, each leaves most SMs idle behind the few pieces it walks in full
+        streams = side_stream(q.device), current_stream(q.device)
         maps_gate = walk_gate(plan.BV_maps, gamma, gates)
         P_maps = A if P is None else P  # the map and offsets walks read no P: A stands in where none was formed
         maps_of_pieces(
@@ -755,8 +687,7 @@ def _forward_kernels(
 
         o, final_state = split_walk(
             walk, D, plan.offsets, maps_gate, plan.compose, q, k, v, A, P_maps, cu_seqlens, slots, seqlens, scale, h0,
-            log_norms, profile, plan.every, b, starts, ends, streams, plan.lead,
-            stream_pool(q.device, 2 * N) if plan.lead else (),
+            log_norms, profile, plan.every, b, starts, ends, streams,
         )  # fmt: skip
         if training:  # the backward walk and state recompute split the same pieces (flash_qla.ops.backward)
             maps = D, log_norms

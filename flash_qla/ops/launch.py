@@ -58,28 +58,13 @@ def kernel_factory(build):
 _side_streams: dict = {}
 
 
-def side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+def side_stream(device: torch.device) -> torch.cuda.Stream:
     """A second stream of the device, for a walk beside another one (the backward's state recompute
     beside its walk, a split forward's map walk beside its offset walk), forked from and joined to the
-    caller's stream by the orchestration that uses it. One a priority (torch's: 0 the default, lower is
-    higher): as SMs free up, the pending blocks of a higher-priority stream's launches take them first."""
-    key = device, priority
-    if key not in _side_streams:
-        _side_streams[key] = torch.cuda.Stream(device, priority=priority)
-    return _side_streams[key]
-
-
-_stream_pools: dict = {}
-
-
-def stream_pool(device: torch.device, n: int) -> list:
-    """n streams of the device besides side_stream's, the same ones to every caller (grown as asked), for walks
-    that run beside one another (a split forward's lead walks and the walks after its composition, one pair a
-    sequence: flash_qla.ops.context_parallel.split_walk); forked and joined by the orchestration, as side_stream."""
-    pool = _stream_pools.setdefault(device, [])
-    while len(pool) < n:
-        pool.append(torch.cuda.Stream(device))
-    return pool[:n]
+    caller's stream by the orchestration that uses it."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 _current_streams: dict = {}
@@ -98,19 +83,14 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+@contextlib.contextmanager
 def fork(beside: torch.cuda.Stream, main: torch.cuda.Stream):
     """Launch on `beside` (side_stream) after the work queued on `main`, the current stream (current_stream), so far;
     main is current again after. The caller joins them (main.wait_stream(beside)) before anything on main reads what
     beside wrote. main is the caller's, looked up once for the fork and the join (torch.cuda.stream(beside) would look
     the current stream and device up again)."""
     beside.wait_stream(main)
-    return launching_on(beside, main)
-
-
-@contextlib.contextmanager
-def launching_on(stream: torch.cuda.Stream, main: torch.cuda.Stream):
-    """Launch on `stream`, forked from main (the current stream) by the caller; main is current again after."""
-    torch.cuda.set_stream(stream)
+    torch.cuda.set_stream(beside)
     try:
         yield
     finally:

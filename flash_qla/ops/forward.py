@@ -296,11 +296,6 @@ def splits_forward(
     return split_ratio(seqlens, Hv, V, profile, unequal=True) <= SPLIT_GAIN
 
 
-def walk_waves(seqlens, Hv: int, V: int, BV: int, profile: ArchProfile, every: int) -> int:
-    """Waves of blocks (one an SM) of a split walk at BV columns over the pieces of at most `every` chunks."""
-    return -(-count_pieces(seqlens, profile.chunk, every) * Hv * (V // BV) // profile.num_sms)
-
-
 # A split inference forward on the O path walks pieces of 2 · checkpoint_chunks chunks (64) where that leaves its
 # walk after compose_maps no more chunk steps (waves times the piece's chunks) than pieces of checkpoint_chunks (32)
 # do, and the map walks over the pieces a wave of blocks at least (at 128 columns). Where the gates decay, the map
@@ -326,8 +321,9 @@ def split_piece_chunks(seqlens, Hv: int, V: int, profile: ArchProfile) -> int:
     if count_pieces(seqlens, profile.chunk, long) * Hv < profile.num_sms:  # the map walks' blocks, 128 columns
         return short
 
-    def walk_chunks(every):
-        return walk_waves(seqlens, Hv, V, OPATH_BLOCK_V, profile, every) * every
+    def walk_chunks(every):  # the walk's waves of blocks over the pieces (a chunk step costing 1), times their chunks
+        pieces = count_pieces(seqlens, profile.chunk, every)
+        return chunk_step_time(pieces, Hv, V, OPATH_BLOCK_V, profile, {OPATH_BLOCK_V: 1}) * every
 
     return long if walk_chunks(long) <= walk_chunks(short) else short
 

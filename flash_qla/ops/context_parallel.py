@@ -30,7 +30,9 @@ their own, the other pieces after compose_maps on a stream a sequence. Built in 
 pieces where that left the walk after compose_maps a wave of blocks less; H100: 16/16 16384+16384 422 -> 405 µs,
 16/32 28672+4096 706 -> 670), it hung the GPU: one call in a few hundred to ~15 000 never finished, at 4/16 and
 16/16 16384+16384, with the library's lead of two pieces and with forced leads of three and four; the same calls
-without a lead ran 31 000 times (H100, benchmark/NOTES.md v103). Its cause is not found; removed in session 103.
+without a lead ran 81 700 times (H100, benchmark/NOTES.md v103, v105). Removed in session 103. Left running: one
+block of the offsets walk (fused_fwd_wide, STATES_ONLY), its producer waiting for a ring stage its consumers never
+free, as if the roles counted different chunks in its piece (cuda-gdb, v105); what makes them differ is not found.
 
 The start states are the sequential walk's up to rounding (both walks round S to the input
 dtype as a tensor-core operand every chunk, at different points): 2/8 1x32768, o within

@@ -327,7 +327,7 @@ def test_split_forward_longer_pieces(case, poisoned, monkeypatch):
             assert rel_l2(got, want) <= FWD_TOL, (every, name, rel_l2(got, want))
         out[every] = o
     signature = inspect.signature(context_parallel.split_walk)
-    assert [signature.bind(*args).arguments["every"] for args in splits] == [64, 32]
+    assert [signature.bind(*args).arguments["tables"].every for args in splits] == [64, 32]
     assert rel_l2(out[64], out[32]) <= 2 * FWD_TOL, rel_l2(out[64], out[32])
 
 

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import pytest
 import tilelang
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from tvm import arith, tirx
 
 import flash_qla
@@ -260,22 +261,41 @@ ROUTES = {
 }
 
 
+class TensorOps(TorchDispatchMode):
+    """Records each ATen op that computes (neither an allocation nor a view) with the number of kernels `launched`
+    before it."""
+
+    def __init__(self, launched):
+        super().__init__()
+        self.launched, self.ops = launched, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and "empty" not in func.name():  # empty, new_empty, empty_like, empty_strided
+            self.ops.append((func.name(), len(self.launched)))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("route", ROUTES.values(), ids=ROUTES.keys())
 def test_every_launch_matches_its_kernel(launched, monkeypatch, route):
     """The forward (and, where the route has one, the backward after it: a training one from what the forward kept,
     else the low-level one from g_cum and A) launches each kernel with arguments its signature takes; the kernels
-    launched are the route's."""
+    launched are the route's. Between the forward's first launch (kkt_solve) and its last, no tensor is computed:
+    the kernels after kkt_solve wait for the one before them alone (flash_qla.ops.context_parallel.split_tables)."""
     for name, decision in route.planner.items():
         monkeypatch.setattr(forward, name, lambda *args, decision=decision, **kwargs: decision)
     q, k, v, g, beta, scale, h0, cu = packed_inputs(
         route.seqlens, *route.heads, route.dtype, route.h0, route.beta_dtype
     )
     options = dict(dict(output_final_state=False, output_h=False, auto_cp=True, training=False), **route.options)
-    g_cum, A, o, h, final_state, checkpoints, maps, chunk_terms = forward.forward_kernels(
-        q, k, v, g, beta, scale, h0, cu, options["output_final_state"], options["output_h"], route.seqlens,
-        options["auto_cp"], options["training"], options.get("keep_states"), options.get("scratch", False),
-    )  # fmt: skip
+    with TensorOps(launched) as tensor_ops:
+        g_cum, A, o, h, final_state, checkpoints, maps, chunk_terms = forward.forward_kernels(
+            q, k, v, g, beta, scale, h0, cu, options["output_final_state"], options["output_h"], route.seqlens,
+            options["auto_cp"], options["training"], options.get("keep_states"), options.get("scratch", False),
+        )  # fmt: skip
     assert o.shape == v.shape and set(launched) == route.forward, launched
+    assert launched[0] == "kkt_solve" and any(before == 0 for _, before in tensor_ops.ops), "the tables were made"
+    between = [(op, launched[before - 1]) for op, before in tensor_ops.ops if 0 < before < len(launched)]
+    assert not between, f"computed after a launch and before the forward's last: (op, after kernel) {between}"
     N, Hv, K = len(route.seqlens), route.heads[1], 128
     assert final_state.shape == (N, Hv, K, K) if options["output_final_state"] else final_state is None
     chunks = sum(-(-n // SM90.chunk) for n in route.seqlens)

@@ -372,9 +372,9 @@ def _backward_kernels(
         if plan.map_walk is not None:  # the forward did not split: its MAPS walk forms the maps
             if log_norms is None:  # nor hand bounds over (a training forward, its planner patched): all walked
                 log_norms = torch.zeros(Hv, slots, device=q.device)
+            bounds, firsts, _ = checkpoint_pieces(cu_seqlens, C, slots, profile.checkpoint_chunks)
             D = maps_of_pieces(
-                plan.map_walk, walk_gate(plan.BV_maps, gamma, gates), q, k, v, A, P, cu_seqlens, slots, scale,
-                log_norms, profile, profile.checkpoint_chunks,
+                plan.map_walk, walk_gate(plan.BV_maps, gamma, gates), q, k, v, A, P, bounds, firsts, scale, log_norms,
                 buffers.new(*split_specs(N, slots, Hv, K, V, profile.checkpoint_chunks)[0], q),
             )  # fmt: skip
         else:  # a training forward's

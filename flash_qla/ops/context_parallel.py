@@ -30,9 +30,12 @@ their own, the other pieces after compose_maps on a stream a sequence. Built in 
 pieces where that left the walk after compose_maps a wave of blocks less; H100: 16/16 16384+16384 422 -> 405 µs,
 16/32 28672+4096 706 -> 670), it hung the GPU: one call in a few hundred to ~15 000 never finished, at 4/16 and
 16/16 16384+16384, with the library's lead of two pieces and with forced leads of three and four; the same calls
-without a lead ran 81 700 times (H100, benchmark/NOTES.md v103, v105). Removed in session 103. Left running: one
-block of the offsets walk (fused_fwd_wide, STATES_ONLY), its producer waiting for a ring stage its consumers never
-free, as if the roles counted different chunks in its piece (cuda-gdb, v105); what makes them differ is not found.
+without a lead ran 109 000 times (H100, benchmark/NOTES.md v103, v105, v106). Removed in session 103. Left running:
+one block of the offsets walk (fused_fwd_wide, STATES_ONLY), in which two producer warps wait for a ring stage while
+the other two, and every consumer warp, have finished (cuda-gdb, v106): those two counted more chunks, from reads
+of the same bounds and log_norms. The lead copied tables of its own on the main stream between kkt_solve and the
+offsets walk (see split_tables); the branch `lead-back` brings the lead back with every table built before
+kkt_solve, not yet measured.
 
 The start states are the sequential walk's up to rounding (both walks round S to the input
 dtype as a tensor-core operand every chunk, at different points): 2/8 1x32768, o within
@@ -87,6 +90,7 @@ there, in SMs it leaves idle; benchmark/NOTES.md v46).
 """
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
@@ -103,22 +107,19 @@ def split_specs(n_seqs: int, slots: int, Hv: int, K: int, V: int, every: int) ->
     return ((n, Hv, K, 2 * K), torch.bfloat16), *(((n, Hv, K, V), torch.float32),) * 3
 
 
-def maps_of_pieces(
-    maps, maps_gate, q, k, v, A, P, cu_seqlens, slots, scale, log_norms, profile, every, D, streams=None
-):  # fmt: skip
-    """Fills D [n, Hv, K, 2 K] (split_specs' first) with M − I of each of checkpoint_pieces' n pieces of at most
-    `every` chunks (the rows of
+def maps_of_pieces(maps, maps_gate, q, k, v, A, P, bounds, firsts, scale, log_norms, D, streams=None):
+    """Fills D [n, Hv, K, 2 K] (split_specs' first) with M − I of each of the n pieces that bounds and firsts
+    (checkpoint_pieces' token bounds and first chunks, as the walk's cu_seqlens and chunk_offsets) give (the rows of
     the empty ones past the last unused), as compose_maps reads it, and returns it: `maps` is the executable of
     the forward walk's MAPS variant, taking maps_gate; it reads neither v nor h0: v, of o's shape and dtype, and
     the placeholder stand in; log_norms: kkt_solve's (no D written where M is negligible; zeros: every chunk walked).
     streams: (beside, main): walk on beside, forked from main, the current stream (launch.fork; main must wait
     for beside before anything reads D: split_walk's join); every tensor the walk reads outlives that wait (the
-    caller's, or cached) but the pieces' tables where they are not cached (a cu_seqlens made under
-    inference_mode, a CUDA graph's capture: flash_qla.tensor_cache), which are marked used on beside."""
+    caller's, or cached) but the tables where they are not cached (a cu_seqlens made under inference_mode, a CUDA
+    graph's capture: flash_qla.tensor_cache), which are marked used on beside."""
     Hv, V = v.shape[2:]
     K = q.shape[-1]
     assert K == V, "the transition M is walked as a state"
-    bounds, firsts, _ = checkpoint_pieces(cu_seqlens, profile.chunk, slots, every)
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     with contextlib.nullcontext() if streams is None else fork(*streams):
         maps(q, k, v, maps_gate, A, P, bounds, firsts, log_norms, placeholder, v, D, placeholder, scale)
@@ -126,6 +127,28 @@ def maps_of_pieces(
         bounds.record_stream(streams[0])
         firsts.record_stream(streams[0])
     return D
+
+
+class SplitTables(NamedTuple):
+    """What a split forward's walks read of its pieces (split_tables), all derived from cu_seqlens."""
+
+    every: int  # the pieces' chunks at most
+    bounds: torch.Tensor  # [P + 1] int32: checkpoint_pieces' token bounds of the pieces
+    firsts: torch.Tensor  # [P + 1] int32: their first global chunks
+    seq_pieces: torch.Tensor  # [N + 1] int32: first_pieces' first piece of each sequence
+    last_rows: torch.Tensor  # [N] int64: sequence_pieces' last piece of each sequence
+
+
+def split_tables(cu_seqlens, slots, C: int, every: int) -> SplitTables:
+    """The tables of a split forward over pieces of at most `every` chunks of C tokens (maps_of_pieces, split_walk),
+    built before kkt_solve launches (flash_qla.ops.forward): the walks after kkt_solve wait for the kernel before
+    them alone (programmatic dependent launch, launch.follow_previous_kernel), and nothing but kernel launches and
+    stream forks is to sit between them. Session 96's lead copied tables of its own on the main stream between
+    kkt_solve and the offsets walk, and about one call in a few hundred to a few thousand two producer warps of an
+    offsets walk block then counted more chunks than the rest of their block and waited for a ring stage forever
+    (H100, benchmark/NOTES.md v103, v105, v106; that those copies were the cause is not yet measured)."""
+    bounds, firsts, seq_pieces, _, _, last_rows = _pieces(cu_seqlens, slots, C, every)
+    return SplitTables(every, bounds, firsts, seq_pieces, last_rows)
 
 
 def _pieces(cu_seqlens, slots, C, E):
@@ -148,8 +171,8 @@ def _per_sequence(states, rows, seq_pieces, seqlens, passthrough):
 
 
 def split_walk(
-    walk, D, offsets, offsets_gate, compose, q, k, v, A, P, cu_seqlens, slots, seqlens, scale, initial_state,
-    log_norms, profile, every, b, starts, ends, streams=None,
+    walk, D, offsets, offsets_gate, compose, q, k, v, A, P, tables, seqlens, scale, initial_state, log_norms, b,
+    starts, ends, streams=None,
 ):  # fmt: skip
     """o and the final states of the sequences, walked in pieces; fills the pieces' start states.
 
@@ -159,19 +182,19 @@ def split_walk(
     giving b (STATES_ONLY, from S = 0, no h), offsets_gate its gate input (flash_qla.ops.forward.walk_gate);
     D: the pieces' maps (maps_of_pieces, at offsets' width); compose: compose_maps' executable (HAS_S0 when
     initial_state is given); q, k [1, T, Hqk, K], v [1, T, Hv, V], A, P [1, T, Hv, C] as the offsets walk
-    takes them (it reads no P: any [1, T, Hv, C] tensor of A's dtype stands in); cu_seqlens [N + 1] and the
-    lengths it holds (host ints); initial_state [N, Hv, K, V] float32 or None; log_norms: kkt_solve's; every: the
-    pieces' chunks at most (flash_qla.ops.forward.split_piece_chunks; the kernels were built for it); b, starts,
-    ends: split_specs' buffers (every piece's offset, start and end state; rows past the last non-empty piece
-    not written); streams: (beside, main) when maps_of_pieces walked D on beside (main, the current stream, then
-    waits for it before compose_maps); None when D was walked on the current stream.
+    takes them (it reads no P: any [1, T, Hv, C] tensor of A's dtype stands in); tables: split_tables' (over pieces
+    of flash_qla.ops.forward.split_piece_chunks' length, for which the kernels were built), made before kkt_solve;
+    seqlens: the sequences' lengths (host ints); initial_state [N, Hv, K, V] float32 or None; log_norms:
+    kkt_solve's; b, starts, ends: split_specs' buffers (every piece's offset, start and end state; rows past the
+    last non-empty piece not written); streams: (beside, main) when maps_of_pieces walked D on beside (main, the
+    current stream, then waits for it before compose_maps); None when D was walked on the current stream.
 
     Returns o [1, T, Hv, V] and final_state [N, Hv, K, V]; starts holds every piece's start state, in
     checkpoint_pieces' order (a training backward's recompute walks the same pieces from them).
     """
     Hv, V = v.shape[2:]
     K = q.shape[-1]
-    bounds, firsts, seq_pieces, _, _, last_rows = _pieces(cu_seqlens, slots, profile.chunk, every)
+    bounds, firsts, seq_pieces, last_rows = tables[1:]
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
     # placeholder stand in

@@ -28,7 +28,7 @@ from flash_qla.arch import ArchProfile, get_profile
 from flash_qla.ops import buffers
 from flash_qla.ops.chunks import chunk_rows, chunk_tables, count_pieces, piece_chunks, sequence_groups
 from flash_qla.ops.compose_maps import compose_maps_kernel
-from flash_qla.ops.context_parallel import maps_of_pieces, split_specs, split_walk
+from flash_qla.ops.context_parallel import maps_of_pieces, split_specs, split_tables, split_walk
 from flash_qla.ops.fused_fwd import fused_fwd_kernel
 from flash_qla.ops.fused_fwd_opath import BV as OPATH_BLOCK_V
 from flash_qla.ops.fused_fwd_opath import fused_fwd_opath_kernel
@@ -624,12 +624,28 @@ def _forward_kernels(
     C = profile.chunk
     N = len(seqlens)
     f32 = torch.float32
-    # kkt_solve's inputs first: what only the walk reads is prepared while kkt_solve runs
-    q, k = kernel_input(q), kernel_input(k)
+    # every input and table before kkt_solve: the kernels after it wait for the one before them alone
+    # (launch.follow_previous_kernel), so nothing but kernel launches sits between them (split_tables)
+    q, k, v = kernel_input(q), kernel_input(k), kernel_input(v)
     g = kernel_input(g, f32)
     beta = kernel_input(beta, beta_dtype)
+    if h0 is not None:
+        h0 = kernel_input(h0)
     cu_seqlens = kernel_input(cu_seqlens)
     chunk_offsets, chunks = chunk_tables(cu_seqlens, C, slots)
+    tables = groups = rows = None
+    if plan.split:
+        tables = split_tables(cu_seqlens, slots, C, plan.every)
+    elif plan.per_block > 1:  # groups of sequences a block, each chunk's row through the walk's ring
+        groups, rows = sequence_groups(N, plan.per_block, q), chunk_rows(cu_seqlens, C, slots)
+    checkpoints = None
+    if plan.keeps_checkpoints:  # (never split) its last N rows: the sequences' initial states
+        checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), f32, q)
+        first_rows = checkpoints[checkpoints.shape[0] - N:]
+        if h0 is not None:
+            first_rows.copy_(h0)
+        else:
+            first_rows.zero_()
     # scratch: read by this call alone (kkt_solve's outputs and, split, the pieces' buffers)
     n_kkt = len(plan.specs)
     if scratch:
@@ -643,18 +659,12 @@ def _forward_kernels(
     else:
         g_cum, gamma, gates, A, P, log_norms = outs[:n_kkt]
         plan.kkt(q, k, g, beta, chunks, g_cum, gamma, gates, A, P, log_norms, slots)
-    v = kernel_input(v)
 
     h = None  # output_h's fp32 states, or the kept ones in the input dtype, indexed by chunk slot
     if output_h:
         h = buffers.new((sum(-(-n // C) for n in seqlens), Hv, K, V), f32, q)
     elif keep_states:
         h = buffers.new((slots, Hv, K, V), q.dtype, q)
-    if h0 is not None:
-        h0 = kernel_input(h0)
-    checkpoints = None
-    if plan.keeps_checkpoints:
-        checkpoints = buffers.new((checkpoint_rows(slots, N, profile), Hv, K, V), f32, q)
     maps = None
 
     if plan.split:  # pieces: the start states are the checkpoints
@@ -667,8 +677,7 @@ def _forward_kernels(
         maps_gate = walk_gate(plan.BV_maps, gamma, gates)
         P_maps = A if P is None else P  # the map and offsets walks read no P: A stands in where none was formed
         maps_of_pieces(
-            plan.map_walk, maps_gate, q, k, v, A, P_maps, cu_seqlens, slots, scale, log_norms, profile, plan.every, D,
-            streams,
+            plan.map_walk, maps_gate, q, k, v, A, P_maps, tables.bounds, tables.firsts, scale, log_norms, D, streams
         )  # fmt: skip
         if plan.opath:  # the pieces as the O-path walk's sequences, their start states its h0
 
@@ -682,20 +691,14 @@ def _forward_kernels(
                 plan.walk(q, k, v, gate, A, P, bounds, firsts, log_norms, starts, o, ends, states, scale)
 
         o, final_state = split_walk(
-            walk, D, plan.offsets, maps_gate, plan.compose, q, k, v, A, P_maps, cu_seqlens, slots, seqlens, scale, h0,
-            log_norms, profile, plan.every, b, starts, ends, streams,
+            walk, D, plan.offsets, maps_gate, plan.compose, q, k, v, A, P_maps, tables, seqlens, scale, h0,
+            log_norms, b, starts, ends, streams,
         )  # fmt: skip
         if training:  # the backward walk and state recompute split the same pieces (flash_qla.ops.backward)
             maps = D, log_norms
             if not keep_states:
                 checkpoints = starts
     else:
-        if checkpoints is not None:  # the rows of the sequences' initial states
-            first_rows = checkpoints[checkpoints.shape[0] - N:]
-            if h0 is not None:
-                first_rows.copy_(h0)
-            else:
-                first_rows.zero_()
         placeholder = buffers.placeholder(q.device, Hv, K, V)
         o = buffers.new_like(v)
         final_state = buffers.new((N, Hv, K, V), f32, q)
@@ -703,9 +706,7 @@ def _forward_kernels(
             h0 = placeholder
         if plan.opath:
             plan.walk(q, k, v, gates, A, gamma, cu_seqlens, chunk_offsets, h0, o, final_state, scale)
-        elif plan.per_block > 1:  # groups of sequences a block, each chunk's row through the walk's ring
-            groups = sequence_groups(N, plan.per_block, q)
-            rows = chunk_rows(cu_seqlens, C, slots)
+        elif plan.per_block > 1:
             plan.walk(q, k, v, gates, A, P, groups, chunk_offsets, rows, h0, o, final_state, scale)
         else:
             states = h if h is not None else checkpoints if checkpoints is not None else placeholder

@@ -108,17 +108,19 @@ def executable(kernel):
 def follow_previous_kernel():
     """The first statement of the kernels here (all but the narrow walks): programmatic dependent launch.
 
-    `griddepcontrol.wait` (SM90 and later) holds every thread until the previous kernel on the
-    stream has finished and its writes are visible, so nothing in a kernel reads or writes
-    global memory before it; TileLang places it after the block's setup (barrier init, TMA
-    descriptor prefetch) and launches a kernel that has it with the programmatic-stream-
-    serialization attribute, so that setup and the launch itself overlap the previous kernel's
-    last blocks. `griddepcontrol.launch_dependents` right after lets the next such kernel launch
-    once every block of this one has started: its blocks take the SMs this one's last wave
-    leaves idle and wait there. A kernel launched after anything else (a torch op, an event
-    wait, another stream's work) starts as it would without these. H200: forward 2/8 8x4096
-    1.3 % faster, its training step 0.7 % (benchmark/NOTES.md v30). The narrow walks (fused_fwd,
-    fused_bwd) start without it: launched early, the forward walk of 16/32 1x32768 ran 4 % slower.
+    `griddepcontrol.wait` (SM90 and later) holds every thread until the previous kernel on the stream has
+    finished and its writes are visible, so nothing in a kernel reads or writes global memory before it;
+    TileLang places it after the block's setup (barrier init, TMA descriptor prefetch) and launches a kernel
+    that has it with the programmatic-stream-serialization attribute, so that setup and the launch itself
+    overlap the previous kernel's last blocks. `griddepcontrol.launch_dependents` right after lets the next such
+    kernel launch once every block of this one has started: its blocks take the SMs this one's last wave leaves
+    idle and wait there. A kernel launched after anything else (a torch op, an event wait, another stream's
+    work) starts as it would without these, as we read the CUDA documentation; a copy on the stream between
+    kkt_solve and the split's offsets walk may have broken it (the lead's hang,
+    flash_qla.ops.context_parallel.split_tables), and the forward keeps nothing but kernel launches between its
+    first launch and its last. H200: forward 2/8 8x4096 1.3 % faster, its training step 0.7 %
+    (benchmark/NOTES.md v30). The narrow walks (fused_fwd, fused_bwd) start without it: launched early, the
+    forward walk of 16/32 1x32768 ran 4 % slower.
     """
     T.pdl_sync()
     T.pdl_trigger()

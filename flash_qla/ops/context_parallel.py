@@ -194,7 +194,7 @@ def split_walk(
     """
     Hv, V = v.shape[2:]
     K = q.shape[-1]
-    bounds, firsts, seq_pieces, last_rows = tables[1:]
+    _, bounds, firsts, seq_pieces, last_rows = tables
     placeholder = buffers.placeholder(v.device, Hv, K, V)
     # STATES_ONLY never touches o, nor h without STORE_H: v, of o's shape and dtype, and the
     # placeholder stand in

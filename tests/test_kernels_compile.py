@@ -13,7 +13,8 @@ and chunk_grads' batched reductions (and, in parts, its atomic count, the first 
 published by a release add and awaited by acquire loads); that no element-wise arithmetic runs
 in 16 bits; that each block's shared memory fits the SM; that no kernel touches global memory
 before its programmatic-launch wait; and that the kernels with large register tiles keep nothing
-in local memory and no wgmma serialised (ptxas, through nvcc).
+in local memory and no wgmma serialised (ptxas, through nvcc); and that the rings TileLang builds for the
+walks are fed by the producer's warp 0 alone (launch.ring_trips).
 Runs in CPU CI; nvcc must be on the PATH (TileLang calls it).
 """
 
@@ -601,3 +602,35 @@ def test_a_kernel_asked_for_in_any_spelling_is_built_once():
     assert compose_maps_kernel.cache_info().misses - before <= 2  # this test's two configurations, at most
     with pytest.raises(TypeError):
         compose_maps_kernel(8, 128, 128, SM90, False, REVERSE=False, UNKNOWN=True)
+
+
+def braced_block(source: str, start: int) -> str:
+    """The text of source from start through the brace that closes the first one opened after start."""
+    depth, i = 0, source.index("{", start)
+    while True:
+        depth += {"{": 1, "}": -1}.get(source[i], 0)
+        if depth == 0:
+            return source[start : i + 1]
+        i += 1
+
+
+# the walks whose ring TileLang's warp specialization builds from a T.Pipelined loop (fused_fwd_opath's is its own)
+AUTO_RING = (fused_fwd_kernel, fused_fwd_wide_kernel, fused_bwd_kernel, fused_bwd_wide_kernel)
+PRODUCER_BRANCH = "if (((int)threadIdx.x) < 128) {"
+
+
+@pytest.mark.parametrize(
+    "name,factory,args", [k[:3] for k in KERNELS if k[1] in AUTO_RING], ids=[k[0] for k in KERNELS if k[1] in AUTO_RING]
+)
+def test_ring_is_fed_by_one_producer_warp(name, factory, args):
+    """The producer warpgroup's warps 1-3 skip the ring loop (launch.ring_trips); warp 0 alone waits for each stage to
+    be free and, by its elected thread, loads it and arrives on its full barrier. When every producer thread ran the
+    loop, the stage waits of warps 1-3 guarded nothing, and one that came to a stage after the consumers had freed it
+    again waited for a phase that never came (the split forward's hang with a lead, benchmark/NOTES.md v107). With
+    warps 1-3 gone, the producer branch must hold no arrive but the elected thread's and no barrier they would miss."""
+    source = factory(*args).get_kernel_source()
+    producer = braced_block(source, source.index(PRODUCER_BRANCH))
+    first_wait = producer.index(".wait(")
+    assert "1 <= tl::get_warp_idx()) && (tl::get_warp_idx() < 4)" in producer[:first_wait], f"{name}: warps 1-3 wait"
+    assert producer.count(".arrive") == producer.count("tl::tl_shuffle_elect<128>()) {\n        mbarrier["), name
+    assert "__syncthreads" not in producer and "__sync_thread_partial" not in producer, name

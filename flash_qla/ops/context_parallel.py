@@ -29,13 +29,11 @@ at the initial state, the next at the end state of the one before), beside the m
 their own, the other pieces after compose_maps on a stream a sequence. Built in session 96 (a lead of one or two
 pieces where that left the walk after compose_maps a wave of blocks less; H100: 16/16 16384+16384 422 -> 405 µs,
 16/32 28672+4096 706 -> 670), it hung the GPU: one call in a few hundred to ~15 000 never finished, at 4/16 and
-16/16 16384+16384, with the library's lead of two pieces and with forced leads of three and four; the same calls
-without a lead ran 109 000 times (H100, benchmark/NOTES.md v103, v105, v106). Removed in session 103. Left running:
-one block of the offsets walk (fused_fwd_wide, STATES_ONLY), in which two producer warps wait for a ring stage while
-the other two, and every consumer warp, have finished (cuda-gdb, v106): those two counted more chunks, from reads
-of the same bounds and log_norms. The lead copied tables of its own on the main stream between kkt_solve and the
-offsets walk (see split_tables); the branch `lead-back` brings the lead back with every table built before
-kkt_solve, not yet measured.
+16/16 16384+16384; the same calls without a lead ran 109 000 times (H100, benchmark/NOTES.md v103, v105, v106).
+Removed in session 103. The walk left running was the offsets walk, one block of it, with one or two of its producer
+warps 1-3 in a ring stage wait that nothing would end: TileLang's ring, which launch.ring_trips now keeps to warp 0
+(benchmark/NOTES.md v107). The branch `lead-back` brings the lead back; with the ring fix its calls ran clean in
+session 107, not yet counted or timed.
 
 The start states are the sequential walk's up to rounding (both walks round S to the input
 dtype as a tensor-core operand every chunk, at different points): 2/8 1x32768, o within
@@ -141,12 +139,10 @@ class SplitTables(NamedTuple):
 
 def split_tables(cu_seqlens, slots, C: int, every: int) -> SplitTables:
     """The tables of a split forward over pieces of at most `every` chunks of C tokens (maps_of_pieces, split_walk),
-    built before kkt_solve launches (flash_qla.ops.forward): the walks after kkt_solve wait for the kernel before
-    them alone (programmatic dependent launch, launch.follow_previous_kernel), and nothing but kernel launches and
-    stream forks is to sit between them. Session 96's lead copied tables of its own on the main stream between
-    kkt_solve and the offsets walk, and about one call in a few hundred to a few thousand two producer warps of an
-    offsets walk block then counted more chunks than the rest of their block and waited for a ring stage forever
-    (H100, benchmark/NOTES.md v103, v105, v106; that those copies were the cause is not yet measured)."""
+    built before kkt_solve launches (flash_qla.ops.forward): the walks after kkt_solve each launch early behind the
+    kernel before them (programmatic dependent launch, launch.follow_previous_kernel), which nothing but kernel
+    launches and stream forks is to sit between. (Session 106 moved them here while a copy there was suspected of
+    the lead's hang; session 107 found the hang in the walks' ring: launch.ring_trips.)"""
     bounds, firsts, seq_pieces, _, _, last_rows = _pieces(cu_seqlens, slots, C, every)
     return SplitTables(every, bounds, firsts, seq_pieces, last_rows)
 

@@ -49,7 +49,8 @@ Schedule: as fused_fwd, grid (V / BV, Hv, N), one block walks its sequence's chu
 (the launcher runs this form for V-tiles of 32 and 16 columns; tiles of 64 and 128 run
 fused_bwd_wide, the same walk transposed; like fused_fwd, it starts without `follow_previous_kernel`);
 T.Pipelined streams the tiles of the coming chunks through a TMA ring, and TileLang
-warp-specializes a producer warpgroup and one wgmma consumer warpgroup. dS stays in fp32
+warp-specializes a producer warpgroup (its warp 0 feeds the ring: launch.ring_trips) and one wgmma
+consumer warpgroup. dS stays in fp32
 registers and is staged to shared memory in the input dtype once per chunk as the operand of K
 dS'. The products that do not wait on each other run in flight together: K dS' and Pᵀ dO (with
 diag(scale · e^γ) dO staged under them), then Aᵀ dv_new with Qᵀ dO (into the decayed dS) issued
@@ -75,7 +76,7 @@ import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import kernel_factory, token_major
+from flash_qla.ops.launch import kernel_factory, ring_trips, token_major
 from flash_qla.ops.negligible import kept_first_chunks
 from flash_qla.ops.staging import STAGE_BARRIER, zero_ring_rows_past
 
@@ -178,7 +179,7 @@ def fused_bwd_kernel(
             else:
                 T.clear(dS)
 
-            for r in T.Pipelined(n_chunks, num_stages=profile.num_stages):
+            for r in T.Pipelined(ring_trips(n_chunks), num_stages=profile.num_stages):
                 c = n_chunks - 1 - r
                 t0 = bos + c * C
                 valid = T.min(C, seqlen - c * C)  # tokens of this chunk in the sequence

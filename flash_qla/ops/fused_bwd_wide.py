@@ -26,7 +26,7 @@ Inputs and outputs as fused_bwd (ENDS_ONLY too: only dh0 written), except that t
 arrives as kkt_solve's `gates` [Hv, slots, 2, C] fp32 (e^γ and e^{γ_L − γ}, 0 past the
 chunk's end) in the place of γ.
 Schedule: grid (V / BV, Hv, N), chunks walked last to first; TileLang's warp specialization:
-a producer warpgroup streams the tiles through a `num_stages`-deep TMA ring, BV / 64
+a producer warpgroup (its warp 0: launch.ring_trips) streams the tiles through a `num_stages`-deep TMA ring, BV / 64
 consumer warpgroups (every product splits its M = BV rows over them, `FullRow`). Per chunk
 the chain is three dependent steps: (K dS')ᵀ and (Pᵀ dO)ᵀ in flight together, then dv_newᵀ A,
 then the dOᵀ Q and dvᵀ K updates of dSᵀ together, under which the chunk's dv is stored. The
@@ -66,7 +66,7 @@ import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, ring_trips, token_major
 from flash_qla.ops.negligible import kept_first_chunks
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
@@ -188,7 +188,7 @@ def fused_bwd_wide_kernel(
             else:
                 T.clear(dSt)
 
-            for r in T.Pipelined(n_chunks, num_stages=profile.num_stages):
+            for r in T.Pipelined(ring_trips(n_chunks), num_stages=profile.num_stages):
                 c = n_chunks - 1 - r
                 t0 = bos + c * C
                 valid = T.min(C, seqlen - c * C)  # tokens of this chunk in the sequence

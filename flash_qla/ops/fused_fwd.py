@@ -49,7 +49,7 @@ registers; at BV = 64, 0.8 of this kernel's time, benchmark/NOTES.md v10). It st
 `follow_previous_kernel` (flash_qla.ops.launch: launched early it ran slower; NOTES.md v30).
 T.Pipelined streams the q/k/v/A/P/γ tiles of the next chunks through a `num_stages`-deep
 shared-memory ring with TMA; on SM90 TileLang splits the block into a producer
-warpgroup (TMA issue, mbarrier waits) and one consumer warpgroup (`profile.fused_threads`)
+warpgroup (TMA issue, mbarrier waits: its warp 0 alone, launch.ring_trips) and one consumer warpgroup (`profile.fused_threads`)
 that runs every product with wgmma into fp32 register accumulators. S stays in
 registers (fp32) for the whole walk and is staged to shared memory in the input dtype
 once per chunk as the B operand of Q S and K S (a 16-bit h is stored from that tile by TMA, the
@@ -84,7 +84,7 @@ import tilelang
 import tilelang.language as T
 
 from flash_qla.arch import ArchProfile
-from flash_qla.ops.launch import kernel_factory, token_major
+from flash_qla.ops.launch import kernel_factory, ring_trips, token_major
 from flash_qla.ops.negligible import walk_start
 from flash_qla.ops.staging import zero_rows_past
 
@@ -224,7 +224,7 @@ def fused_fwd_kernel(
             if not STATES_ONLY:
                 T.clear(O_prev)  # stored only from the second chunk on
 
-            for c in T.Pipelined(T.ceildiv(seqlen, C), num_stages=profile.num_stages):
+            for c in T.Pipelined(ring_trips(T.ceildiv(seqlen, C)), num_stages=profile.num_stages):
                 t0 = bos + c * C
                 valid = T.min(C, seqlen - c * C)  # tokens of this chunk in the sequence
                 if not STATES_ONLY:

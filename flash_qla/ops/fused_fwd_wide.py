@@ -29,7 +29,7 @@ equal (benchmark/NOTES.md v10).
 
 Inputs and outputs as fused_fwd, except that the gate arrives as kkt_solve's `gates`
 [Hv, slots, 2, C] fp32 (e^γ and e^{γ_L − γ}, 0 past the chunk's end) in the place of γ.
-Schedule: grid (V / BV, Hv, N); TileLang's warp specialization: a producer warpgroup streams
+Schedule: grid (V / BV, Hv, N); TileLang's warp specialization: a producer warpgroup (its warp 0: launch.ring_trips) streams
 the tiles through a `num_stages`-deep TMA ring, BV / 64 consumer warpgroups (every product
 splits its M = BV rows over them, `FullRow`). Per chunk the S chain is three dependent
 products (Sᵀ Kᵀ, Uᵀ Aᵀ, v_newᵀ K); Sᵀ Qᵀ and v_newᵀ Pᵀ are issued next to them, and
@@ -75,7 +75,7 @@ from tilelang.layout import make_full_bank_swizzled_layout
 
 from flash_qla.arch import ArchProfile
 from flash_qla.ops.chunks import ROW_FIELDS
-from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, token_major
+from flash_qla.ops.launch import follow_previous_kernel, kernel_factory, ring_trips, token_major
 from flash_qla.ops.negligible import walk_start
 from flash_qla.ops.staging import (
     ROWS_PER_WARPGROUP,
@@ -212,7 +212,9 @@ def fused_fwd_wide_kernel(
         if not STATES_ONLY:
             T.clear(Ot_prev)  # stored only from the second chunk on
 
-        for c in T.Pipelined(chunks_walked(seqlen, first_chunk, chunk_offsets, end_seq), num_stages=profile.num_stages):
+        for c in T.Pipelined(
+            ring_trips(chunks_walked(seqlen, first_chunk, chunk_offsets, end_seq)), num_stages=profile.num_stages
+        ):
             if PACKED:
                 T.copy(rows[first_chunk + c, :], rows_s[:ROW_FIELDS])
                 t0 = rows[first_chunk + c, 0]  # the copies' (the producer's); the consumers read rows_s

@@ -115,15 +115,33 @@ def follow_previous_kernel():
     overlap the previous kernel's last blocks. `griddepcontrol.launch_dependents` right after lets the next such
     kernel launch once every block of this one has started: its blocks take the SMs this one's last wave leaves
     idle and wait there. A kernel launched after anything else (a torch op, an event wait, another stream's
-    work) starts as it would without these, as we read the CUDA documentation; a copy on the stream between
-    kkt_solve and the split's offsets walk may have broken it (the lead's hang,
-    flash_qla.ops.context_parallel.split_tables), and the forward keeps nothing but kernel launches between its
-    first launch and its last. H200: forward 2/8 8x4096 1.3 % faster, its training step 0.7 %
+    work) starts as it would without these, as we read the CUDA documentation, so the forward keeps nothing but
+    kernel launches between its first launch and its last (flash_qla.ops.context_parallel.split_tables). H200: forward 2/8 8x4096 1.3 % faster, its training step 0.7 %
     (benchmark/NOTES.md v30). The narrow walks (fused_fwd, fused_bwd) start without it: launched early, the
     forward walk of 16/32 1x32768 ran 4 % slower.
     """
     T.pdl_sync()
     T.pdl_trigger()
+
+
+def ring_trips(n):
+    """Inside a kernel: the trip count of a T.Pipelined loop of n steps that TileLang warp-specializes into a TMA ring
+    (fused_fwd, fused_fwd_wide, fused_bwd, fused_bwd_wide): n, but 0 for warps 1-3 of the producer warpgroup
+    (threads 32-127; TileLang puts the producer first), which then skip the loop.
+
+    TileLang has every producer thread wait for each ring stage to be free (an mbarrier parity wait) and only warp
+    0's elected thread load it and arrive; nothing waits for warps 1-3. One that reaches its wait for a stage after
+    the consumers have freed it again sees the parity it waits for once more and waits for a later phase, which
+    after the last chunk never comes. That was the split forward's hang with session 96's lead: one block of the
+    offsets walk left with one or two producer warps of 1-3 in a stage wait, warp 0 and every consumer done (H100,
+    cuda-gdb in sessions 105-107); with the lead, 238 calls before it in session 107 and 378-15 547 before; with
+    warps 1-3 out of the loop the same calls ran clean for the rest of that run's ~170 s, o and the final states
+    bitwise those of the kernels before (benchmark/NOTES.md v107). Without warps 1-3 the ring is warp 0's and the
+    consumers' alone, which wait for each other at every stage. tl::get_warp_idx is the raw threadIdx.x / 32:
+    TileLang renumbers the consumers' thread index, not this call's.
+    """
+    warp = T.get_warp_idx()
+    return T.if_then_else(T.And(warp >= 1, warp < 4), 0, n)
 
 
 def token_major(*packed):

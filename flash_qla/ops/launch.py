@@ -137,10 +137,13 @@ def ring_trips(n):
     cuda-gdb in sessions 105-107); with the lead, 238 calls before it in session 107 and 378-15 547 before; with
     warps 1-3 out of the loop the same calls ran clean for the rest of that run's ~170 s, o and the final states
     bitwise those of the kernels before (benchmark/NOTES.md v107). Without warps 1-3 the ring is warp 0's and the
-    consumers' alone, which wait for each other at every stage. tl::get_warp_idx is the raw threadIdx.x / 32:
-    TileLang renumbers the consumers' thread index, not this call's.
+    consumers' alone, which wait for each other at every stage. The warp is CUTLASS's canonical_warp_idx_sync,
+    threadIdx.x / 32 broadcast from lane 0: TileLang renumbers the consumers' thread variable in their branch, not
+    this call's; and ptxas keeps the broadcast value in a uniform register, where with the per-thread
+    threadIdx.x / 32 the bound took a register more and the walks whose consumers use every register they have
+    (fused_fwd_wide with h0, and its packed form) spilled 8 bytes (test_kernels_compile).
     """
-    warp = T.get_warp_idx()
+    warp = T.call_extern("int32", "cutlass::canonical_warp_idx_sync")
     return T.if_then_else(T.And(warp >= 1, warp < 4), 0, n)
 
 

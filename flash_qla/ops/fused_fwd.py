@@ -49,8 +49,8 @@ registers; at BV = 64, 0.8 of this kernel's time, benchmark/NOTES.md v10). It st
 `follow_previous_kernel` (flash_qla.ops.launch: launched early it ran slower; NOTES.md v30).
 T.Pipelined streams the q/k/v/A/P/γ tiles of the next chunks through a `num_stages`-deep
 shared-memory ring with TMA; on SM90 TileLang splits the block into a producer
-warpgroup (TMA issue, mbarrier waits: its warp 0 alone, launch.ring_trips) and one consumer warpgroup (`profile.fused_threads`)
-that runs every product with wgmma into fp32 register accumulators. S stays in
+warpgroup (TMA issue, mbarrier waits: its warp 0 alone, launch.ring_trips) and one consumer
+warpgroup (`profile.fused_threads`) that runs every product with wgmma into fp32 register accumulators. S stays in
 registers (fp32) for the whole walk and is staged to shared memory in the input dtype
 once per chunk as the B operand of Q S and K S (a 16-bit h is stored from that tile by TMA, the
 wait for the store's read of it coming at the next chunk's staging). Per chunk the S chain is three dependent

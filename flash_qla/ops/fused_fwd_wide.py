@@ -29,8 +29,8 @@ equal (benchmark/NOTES.md v10).
 
 Inputs and outputs as fused_fwd, except that the gate arrives as kkt_solve's `gates`
 [Hv, slots, 2, C] fp32 (e^γ and e^{γ_L − γ}, 0 past the chunk's end) in the place of γ.
-Schedule: grid (V / BV, Hv, N); TileLang's warp specialization: a producer warpgroup (its warp 0: launch.ring_trips) streams
-the tiles through a `num_stages`-deep TMA ring, BV / 64 consumer warpgroups (every product
+Schedule: grid (V / BV, Hv, N); TileLang's warp specialization: a producer warpgroup (its warp 0:
+launch.ring_trips) streams the tiles through a `num_stages`-deep TMA ring, BV / 64 consumer warpgroups (every product
 splits its M = BV rows over them, `FullRow`). Per chunk the S chain is three dependent
 products (Sᵀ Kᵀ, Uᵀ Aᵀ, v_newᵀ K); Sᵀ Qᵀ and v_newᵀ Pᵀ are issued next to them, and
 under the first pair the consumers store the previous chunk's o and read the gate factors

@@ -116,8 +116,8 @@ def follow_previous_kernel():
     kernel launch once every block of this one has started: its blocks take the SMs this one's last wave leaves
     idle and wait there. A kernel launched after anything else (a torch op, an event wait, another stream's
     work) starts as it would without these, as we read the CUDA documentation, so the forward keeps nothing but
-    kernel launches between its first launch and its last (flash_qla.ops.context_parallel.split_tables). H200: forward 2/8 8x4096 1.3 % faster, its training step 0.7 %
-    (benchmark/NOTES.md v30). The narrow walks (fused_fwd, fused_bwd) start without it: launched early, the
+    kernel launches between its first launch and its last (flash_qla.ops.context_parallel.split_tables). H200:
+    forward 2/8 8x4096 1.3 % faster, its training step 0.7 % (benchmark/NOTES.md v30). The narrow walks (fused_fwd, fused_bwd) start without it: launched early, the
     forward walk of 16/32 1x32768 ran 4 % slower.
     """
     T.pdl_sync()

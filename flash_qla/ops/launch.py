@@ -117,11 +117,47 @@ def follow_previous_kernel():
     idle and wait there. A kernel launched after anything else (a torch op, an event wait, another stream's
     work) starts as it would without these, as we read the CUDA documentation, so the forward keeps nothing but
     kernel launches between its first launch and its last (flash_qla.ops.context_parallel.split_tables). H200:
-    forward 2/8 8x4096 1.3 % faster, its training step 0.7 % (benchmark/NOTES.md v30). The narrow walks (fused_fwd, fused_bwd) start without it: launched early, the
-    forward walk of 16/32 1x32768 ran 4 % slower.
+    forward 2/8 8x4096 1.3 % faster, its training step 0.7 % (benchmark/NOTES.md v30). The narrow walks (fused_fwd,
+    fused_bwd) start without it: launched early, the forward walk of 16/32 1x32768 ran 4 % slower.
     """
     T.pdl_sync()
     T.pdl_trigger()
+
+
+# The device functions the kernels call by T.call_extern, in one source that each kernel calling one imports
+# (T.import_source): TileLang takes one import a kernel ("Try to merge two annotations with different values for key
+# pragma_import_c" otherwise), so every kernel imports this one, guarded (a kernel may import it more than once). The
+# functions a kernel does not call are not compiled into it.
+# - flash_qla_stsm_x4, flash_qla_stsm_x4_trans, flash_qla_ldsm_x4_trans: stmatrix.x4, stmatrix.x4.trans and
+#   ldmatrix.x4.trans of the four 32-bit words regs[first : first + 4] (pairs of 16-bit values) of a thread's local
+#   array (flash_qla.ops.staging). TileLang's fragment copies emit stmatrix only into a tile of the fragment's own
+#   orientation, and a fragment element read outside T.Parallel counts as replicated, so these moves go through
+#   functions that take the fragment's local array itself;
+# - flash_qla_ring_trips: ring_trips' count (below).
+DEVICE_FUNCTIONS = """
+#ifndef FLASH_QLA_DEVICE_FUNCTIONS
+#define FLASH_QLA_DEVICE_FUNCTIONS
+__device__ __forceinline__ void flash_qla_stsm_x4(void* smem, const void* regs, int first) {
+  const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
+               :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
+__device__ __forceinline__ void flash_qla_stsm_x4_trans(void* smem, const void* regs, int first) {
+  const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
+  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
+               :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
+__device__ __forceinline__ void flash_qla_ldsm_x4_trans(const void* smem, void* regs, int first) {
+  unsigned* r = reinterpret_cast<unsigned*>(regs) + first;
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(smem)));
+}
+__device__ __forceinline__ int flash_qla_ring_trips(int n) {
+  int warp = __shfl_sync(0xffffffff, threadIdx.x / 32, 0);  // cutlass::canonical_warp_idx_sync()
+  return warp >= 1 && warp < 4 ? 0 : n;
+}
+#endif
+"""
 
 
 def ring_trips(n):
@@ -137,14 +173,21 @@ def ring_trips(n):
     cuda-gdb in sessions 105-107); with the lead, 238 calls before it in session 107 and 378-15 547 before; with
     warps 1-3 out of the loop the same calls ran clean for the rest of that run's ~170 s, o and the final states
     bitwise those of the kernels before (benchmark/NOTES.md v107). Without warps 1-3 the ring is warp 0's and the
-    consumers' alone, which wait for each other at every stage. The warp is CUTLASS's canonical_warp_idx_sync,
-    threadIdx.x / 32 broadcast from lane 0: TileLang renumbers the consumers' thread variable in their branch, not
-    this call's; and ptxas keeps the broadcast value in a uniform register, where with the per-thread
+    consumers' alone, which wait for each other at every stage.
+
+    The count is DEVICE_FUNCTIONS' flash_qla_ring_trips, bound to a variable before the loop (T.bind): each role's
+    branch computes it once, `int v = flash_qla_ring_trips(...)`, and loops to v. Its warp is CUTLASS's
+    canonical_warp_idx_sync, threadIdx.x / 32 broadcast from lane 0: TileLang renumbers the consumers' thread variable
+    in their branch, not this; and ptxas keeps the broadcast value in a uniform register, where with the per-thread
     threadIdx.x / 32 the bound took a register more and the walks whose consumers use every register they have
-    (fused_fwd_wide with h0, and its packed form) spilled 8 bytes (test_kernels_compile).
+    (fused_fwd_wide with h0, and its packed form) spilled 8 bytes (test_kernels_compile). Written as TileLang
+    arithmetic (if_then_else on the warp), the bound reached TileLang's Z3 prover in every pass that reasons about the
+    loop, and lowering a walk took ~14x as long (fused_fwd_wide, 16/16, 64 columns: 76 s against 5.3 s, the same
+    device code but for the bound's spelling; benchmark/NOTES.md v108); the call is opaque to it. Left in the loop's
+    condition (no bind), the call ran every trip and ptxas spilled there too.
     """
-    warp = T.call_extern("int32", "cutlass::canonical_warp_idx_sync")
-    return T.if_then_else(T.And(warp >= 1, warp < 4), 0, n)
+    T.import_source(DEVICE_FUNCTIONS)
+    return T.bind(T.call_extern("int32", "flash_qla_ring_trips", n))
 
 
 def token_major(*packed):

@@ -32,6 +32,8 @@ never wait for each other.
 import tilelang.language as T
 from tilelang.layout import make_full_bank_swizzled_layout
 
+from flash_qla.ops.launch import DEVICE_FUNCTIONS
+
 ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 # elements of padding per row of a staging tile: rows 144 or 272 bytes apart (BV = 64, 128) start
 # 4 banks apart, so the 8 rows of 16 bytes of each matrix that stmatrix writes fill the 32 banks
@@ -39,34 +41,6 @@ ROWS_PER_WARPGROUP = 64  # wgmma's M per warpgroup
 STAGE_PAD = 8
 # first named barrier id of the staging, one per consumer warpgroup (TileLang's own use ids < 4)
 STAGE_BARRIER = 4
-
-
-# stmatrix.x4, stmatrix.x4.trans and ldmatrix.x4.trans of the four 32-bit words regs[first : first + 4] (pairs of
-# 16-bit values) of a thread's local array. TileLang's fragment copies emit stmatrix only into a tile of the
-# fragment's own orientation, and a fragment element read outside T.Parallel counts as replicated, so these moves go
-# through functions that take the fragment's local array itself (guarded: a kernel may stage more than once). One
-# source for every kernel, as TileLang takes one import a kernel ("Try to merge two annotations with different values
-# for key pragma_import_c" otherwise); the functions a kernel does not call are not compiled into it
-COPIES = """
-#ifndef FLASH_QLA_COPIES
-#define FLASH_QLA_COPIES
-__device__ __forceinline__ void flash_qla_stsm_x4(void* smem, const void* regs, int first) {
-  const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
-  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
-               :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
-}
-__device__ __forceinline__ void flash_qla_stsm_x4_trans(void* smem, const void* regs, int first) {
-  const unsigned* r = reinterpret_cast<const unsigned*>(regs) + first;
-  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\\n"
-               :: "r"((unsigned)__cvta_generic_to_shared(smem)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
-}
-__device__ __forceinline__ void flash_qla_ldsm_x4_trans(const void* smem, void* regs, int first) {
-  unsigned* r = reinterpret_cast<unsigned*>(regs) + first;
-  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(smem)));
-}
-#endif
-"""
 
 
 def stage_rows(R: int):
@@ -85,7 +59,7 @@ def stage_rows(R: int):
     def stage(X, x_s, b, tx):
         warp = tx // 32
         lane = tx % 32
-        T.import_source(COPIES)
+        T.import_source(DEVICE_FUNCTIONS)
         for n in T.unroll(R // 16):
             row = 16 * warp + 8 * (lane // 8 % 2) + lane % 8
             col = 8 * (2 * n + lane // 16)
@@ -96,8 +70,8 @@ def stage_rows(R: int):
 
 def x4_transposed(R: int, function: str, access: str):
     """The macro x4_transposed(Xt, x_s, b, tx): one warpgroup's [64, R] 16-bit fragment Xt moved to or from
-    x_s[b, :R, :64] (x_s[:R, :64] when b is None), transposed, by `function` (COPIES' stmatrix.x4.trans or
-    ldmatrix.x4.trans), R / 16 instructions a thread; access "w" or "r".
+    x_s[b, :R, :64] (x_s[:R, :64] when b is None), transposed, by `function` (DEVICE_FUNCTIONS' stmatrix.x4.trans
+    or ldmatrix.x4.trans: flash_qla.ops.launch), R / 16 instructions a thread; access "w" or "r".
 
     Xt is in a wgmma accumulator's (and A operand's) layout, tx the thread's index in its warpgroup: in lane l of
     warp w, element 4k + 2h + e of the local array is Xt[16 w + 8 h + l / 4, 8 k + 2 (l % 4) + e], so 32-bit word
@@ -111,7 +85,7 @@ def x4_transposed(R: int, function: str, access: str):
     def move(Xt, x_s, b, tx):
         warp = tx // 32
         lane = tx % 32
-        T.import_source(COPIES)
+        T.import_source(DEVICE_FUNCTIONS)
         for n in T.unroll(R // 16):
             row = 8 * (2 * n + lane // 16) + lane % 8
             col = 16 * warp + 8 * (lane // 8 % 2)

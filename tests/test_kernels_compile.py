@@ -612,8 +612,13 @@ def test_a_kernel_asked_for_in_any_spelling_is_built_once():
 # the walks whose ring TileLang's warp specialization builds from a T.Pipelined loop (fused_fwd_opath's is its own)
 AUTO_RING = (fused_fwd_kernel, fused_fwd_wide_kernel, fused_bwd_kernel, fused_bwd_wide_kernel)
 PRODUCER_BRANCH = "if (((int)threadIdx.x) < 128) {"
-# the ring loop's bound, launch.ring_trips' count bound before it (T.bind: `int v = ...;`)
+# the ring loop's bound, launch.ring_trips' count bound before it (T.bind: `int v = ...;`), and that count: 0 for
+# warps 1-3 (the warp as cutlass::canonical_warp_idx_sync computes it)
 RING_LOOP = re.compile(r"int (\w+) = flash_qla_ring_trips\(.*\);\s*for \(int (\w+) = 0; \2 < \1; \+\+\2\) \{")
+RING_TRIPS = re.compile(
+    r"int flash_qla_ring_trips\(int n\) \{\s*int warp = __shfl_sync\(0xffffffff, threadIdx\.x / 32, 0\);.*\s*"
+    r"return warp >= 1 && warp < 4 \? 0 : n;\s*\}"
+)
 ELECTED_ARRIVE = re.compile(r"tl::tl_shuffle_elect<128>\(\)\) \{\s*mbarrier\[[^\]]*\]\.arrive")
 
 
@@ -629,6 +634,6 @@ def test_ring_is_fed_by_one_producer_warp(name, factory, args):
     source = factory(*args).get_kernel_source()
     producer = braced_block(source, source.index(PRODUCER_BRANCH))
     first_wait = producer.index(".wait(")
-    assert RING_LOOP.search(producer[:first_wait]), f"{name}: warps 1-3 wait"
+    assert RING_LOOP.search(producer[:first_wait]) and RING_TRIPS.search(source), f"{name}: warps 1-3 wait"
     assert producer.count(".arrive") == len(ELECTED_ARRIVE.findall(producer)), name
     assert "__syncthreads" not in producer and "__sync_thread_partial" not in producer, name
